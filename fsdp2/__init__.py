@@ -1,0 +1,30 @@
+"""fsdp2: per-parameter fully sharded data parallelism, a drop-in for ``torch.distributed.fsdp``."""
+
+from fsdp2.api import (
+    FSDPModule,
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+    share_comm_ctx,
+)
+from fsdp2.policies import (
+    CPUOffloadPolicy,
+    DataParallelMeshDims,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+)
+
+__all__ = [
+    "CPUOffloadPolicy",
+    "DataParallelMeshDims",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "UnshardHandle",
+    "fully_shard",
+    "register_fsdp_forward_method",
+    "share_comm_ctx",
+]
+
+for _name in __all__:
+    globals()[_name].__module__ = "fsdp2"

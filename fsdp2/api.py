@@ -1,0 +1,348 @@
+"""The public surface: ``fully_shard``, ``FSDPModule``, ``UnshardHandle`` and friends."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+from types import MethodType
+from typing import Any, NoReturn, overload
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from fsdp2.mesh import default_mesh, device_of, mesh_info
+from fsdp2.param import FSDPParam
+from fsdp2.param_group import FSDPParamGroup
+from fsdp2.policies import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from fsdp2.state import FSDPState
+
+__all__ = [
+    "FSDPModule",
+    "UnshardHandle",
+    "fully_shard",
+    "register_fsdp_forward_method",
+    "share_comm_ctx",
+]
+
+_STATE = "_fsdp2_state"
+
+
+def _state_of(module: nn.Module) -> FSDPState | None:
+    return module.__dict__.get(_STATE)
+
+
+@overload
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = ...,
+    reshard_after_forward: bool | int | None = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = ...,
+    mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ...,
+    ignored_params: set[nn.Parameter] | None = ...,
+    dp_mesh_dims: DataParallelMeshDims | None = ...,
+) -> FSDPModule: ...
+
+
+@overload
+def fully_shard(
+    module: list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = ...,
+    reshard_after_forward: bool | int | None = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = ...,
+    mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ...,
+    ignored_params: set[nn.Parameter] | None = ...,
+    dp_mesh_dims: DataParallelMeshDims | None = ...,
+) -> list[FSDPModule]: ...
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (frozen)
+    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008
+    ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
+) -> FSDPModule | list[FSDPModule]:
+    """Shard ``module``'s parameters over ``mesh``, in place; return it as an ``FSDPModule``.
+
+    Call it on submodules first (e.g. each transformer block), then on the root. The parameters
+    of this call that no earlier call claimed form one group: gathered in one all-gather before
+    the module's forward (and again before its backward if resharded), their gradients
+    averaged over the data-parallel ranks in one reduce-scatter after its backward.
+
+    ``reshard_after_forward``: ``True`` frees the gathered parameters after forward and gathers
+    again in backward; ``False`` keeps them until backward ends; ``None`` (default) means
+    ``False`` for the root and ``True`` for every other module. A list of modules makes one group
+    shared by all of them.
+    """
+    modules = tuple(module) if isinstance(module, list) else (module,)
+    _check_modules(modules)
+    _check_unsupported(
+        reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, dp_mesh_dims
+    )
+    mesh = mesh if mesh is not None else default_mesh()
+    info = mesh_info(mesh)
+    device = device_of(mesh)
+    label = ",".join(type(m).__name__ for m in modules)
+    slots = _managed_params(modules, ignored_params or set())
+    params, fulls = [], []
+    for param, (fqn, places) in slots.items():
+        _check_device(param, fqn, device, modules)
+        params.append(FSDPParam(param, places, fqn))
+        fulls.append(param.detach().to(device))
+    group = FSDPParamGroup(params, fulls, info, device, label) if params else None
+    del fulls
+    for fsdp_param in params:
+        fsdp_param.register(fsdp_param.sharded_param)
+    for managed in _managed_modules(modules):
+        for name, buf in managed._buffers.items():
+            if buf is not None and buf.device != device:
+                managed._buffers[name] = buf.to(device)
+    state = FSDPState(modules, group, reshard_after_forward, fqn="")
+    for mod in modules:
+        mod.__dict__[_STATE] = state
+        mod.__class__ = _fsdp_class(type(mod))
+    return list(modules) if isinstance(module, list) else modules[0]  # type: ignore[return-value]
+
+
+def _check_modules(modules: tuple[nn.Module, ...]) -> None:
+    if not modules:
+        raise ValueError("fully_shard got an empty list of modules; pass at least one nn.Module")
+    for mod in modules:
+        if not isinstance(mod, nn.Module):
+            raise TypeError(f"fully_shard expects an nn.Module or a list of them, got {mod!r}")
+        if _state_of(mod) is not None:
+            raise ValueError(
+                f"fully_shard was already applied to this {type(mod).__name__}; apply it once "
+                "per module (bottom-up: submodules first, then their parent)"
+            )
+        if isinstance(mod, (nn.ModuleList, nn.ModuleDict)):
+            raise ValueError(
+                f"fully_shard does not take a {type(mod).__name__}: it has no forward to hook. "
+                "Apply it to each module inside, or pass them as a list: fully_shard(list(...))"
+            )
+
+
+def _check_unsupported(
+    reshard_after_forward: bool | int | None,
+    shard_placement_fn: object,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy,
+    dp_mesh_dims: object,
+) -> None:
+    todo = []
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        todo.append(f"reshard_after_forward={reshard_after_forward!r} (an int)")
+    if shard_placement_fn is not None:
+        todo.append("shard_placement_fn")
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}")
+    if not mp_policy.is_default:
+        todo.append(f"mp_policy={mp_policy}")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(f"offload_policy must be an OffloadPolicy, got {offload_policy!r}")
+    if type(offload_policy) is not OffloadPolicy:
+        todo.append(f"offload_policy={offload_policy}")
+    if dp_mesh_dims is not None:
+        todo.append("dp_mesh_dims")
+    if todo:
+        raise NotImplementedError(f"fsdp2.fully_shard does not support yet: {', '.join(todo)}")
+
+
+def _managed_modules(modules: Iterable[nn.Module]) -> list[nn.Module]:
+    """Modules under ``modules`` that no earlier ``fully_shard`` call claimed."""
+    found: list[nn.Module] = []
+    seen: set[int] = set()
+    stack = list(reversed(list(modules)))
+    while stack:
+        mod = stack.pop()
+        if id(mod) in seen:
+            continue
+        seen.add(id(mod))
+        found.append(mod)
+        stack.extend(
+            child
+            for child in reversed(list(mod.children()))
+            if _state_of(child) is None and id(child) not in seen
+        )
+    return found
+
+
+def _managed_params(
+    modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]
+) -> dict[nn.Parameter, tuple[str, list[tuple[nn.Module, str]]]]:
+    """Each parameter this call manages → (its first FQN, every (module, name) it sits under)."""
+    managed = _managed_modules(modules)
+    claimed = {
+        id(p): mod
+        for top in modules
+        for mod in top.modules()
+        if _state_of(mod) is not None
+        for p in mod.parameters()
+    }
+    names = {id(m): n for top in modules for n, m in top.named_modules()}
+    out: dict[nn.Parameter, tuple[str, list[tuple[nn.Module, str]]]] = {}
+    for mod in managed:
+        for name, param in mod._parameters.items():
+            if param is None or param in ignored:
+                continue
+            fqn = f"{names.get(id(mod), '')}.{name}".lstrip(".")
+            if id(param) in claimed:
+                owner = type(claimed[id(param)]).__name__
+                raise ValueError(
+                    f"{fqn} is also a parameter of a submodule ({owner}) that fully_shard was "
+                    "already applied to: a tied weight cannot live in two groups. Group the "
+                    "modules that share it in one call: fully_shard([module_a, module_b])"
+                )
+            if isinstance(param, DTensor):
+                raise NotImplementedError(
+                    f"{fqn} is already a DTensor; fully_shard over tensor-parallel parameters "
+                    "is not supported yet"
+                )
+            entry = out.setdefault(param, (fqn, []))
+            entry[1].append((mod, name))
+    return out
+
+
+def _check_device(
+    param: nn.Parameter, fqn: str, device: torch.device, modules: tuple[nn.Module, ...]
+) -> None:
+    if param.device.type == "meta":
+        raise NotImplementedError(
+            f"{fqn} is on the meta device; meta-device initialisation is not supported yet"
+        )
+    if param.device != device and param.device.type != "cpu":
+        raise ValueError(
+            f"{fqn} of {type(modules[0]).__name__} is on {param.device}, but the mesh's device is "
+            f"{device}. Move the module to {device} (or to CPU, from where fully_shard moves "
+            "it) before calling fully_shard, or pass a mesh on the parameters' device"
+        )
+
+
+_fsdp_classes: dict[type, type] = {}
+
+
+def _fsdp_class(cls: type) -> type:
+    """``FSDP<Name>``: ``FSDPModule`` first in the MRO, so its methods and ``__call__`` win."""
+    if cls not in _fsdp_classes:
+        _fsdp_classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    return _fsdp_classes[cls]
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``: ``wait()`` finishes the all-gather."""
+
+    def __init__(self, group: FSDPParamGroup | None = None) -> None:
+        self._group = group
+
+    def wait(self) -> None:
+        if self._group is not None:
+            self._group.wait_for_unshard()
+            self._group = None
+
+
+class FSDPModule:
+    """Mixed into every module ``fully_shard`` was applied to (as ``FSDP<OriginalClass>``)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Containers build new instances of their own class (e.g. slicing nn.Sequential): those
+        # hold no fsdp2 state, so they get the original class.
+        plain = cls.__mro__[2]
+        obj = plain.__new__(plain)
+        obj.__init__(*args, **kwargs)
+        return obj
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        state: FSDPState = self.__dict__[_STATE]
+        state.pre_forward(args, kwargs)
+        return state.post_forward(super().__call__(*args, **kwargs))  # type: ignore[misc]
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
+        raise RuntimeError(
+            f"cannot deepcopy {type(self).__name__}: its parameters are shards of a model spread "
+            "over ranks. Deepcopy the model before calling fully_shard, or build a new one"
+        )
+
+    def _get_fsdp_state(self) -> FSDPState:
+        return self.__dict__[_STATE]
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """Gather this module's parameters now; with ``async_op`` return a handle to wait on."""
+        state = self._get_fsdp_state()
+        if state.ctx is None:
+            state._lazy_init()
+        group = state.group
+        if group is not None:
+            group.unshard()
+        handle = UnshardHandle(group)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free this module's gathered parameters and register the sharded ones."""
+        group = self._get_fsdp_state().group
+        if group is not None:
+            group.reshard()
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Whether to free gathered parameters after forward (for this module and, by default,
+        every fsdp2 module below it)."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(
+                f"set_reshard_after_forward expects a bool, got {reshard_after_forward!r}"
+            )
+        for state in _states(self, recurse):
+            state.requested_reshard_after_forward = reshard_after_forward
+            state.reshard_after_forward = reshard_after_forward
+
+
+def _states(module: FSDPModule, recurse: bool) -> list[FSDPState]:
+    if not recurse:
+        return [module._get_fsdp_state()]
+    found: list[FSDPState] = []
+    for sub in module.modules():  # type: ignore[attr-defined]
+        state = _state_of(sub)
+        if state is not None and state not in found:
+            found.append(state)
+    return found
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Run fsdp2's forward hooks around ``module.<method_name>`` too (e.g. ``generate``)."""
+    state = _state_of(module)
+    if state is None:
+        warnings.warn(
+            f"register_fsdp_forward_method: {type(module).__name__} is not an FSDPModule; "
+            "nothing registered",
+            stacklevel=2,
+        )
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module).__name__} has no method {method_name!r}")
+    method = getattr(type(module), method_name)
+
+    def with_fsdp_hooks(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        state.pre_forward(args, kwargs)
+        return state.post_forward(method(self, *args, **kwargs))
+
+    module.__dict__[method_name] = MethodType(with_fsdp_hooks, module)
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Accepted for compatibility. fsdp2 issues every collective from the calling thread in
+    program order, so there are no per-root streams or buffers to share; this only checks its
+    input."""
+    for mod in modules:
+        if not isinstance(mod, FSDPModule):
+            raise ValueError(f"share_comm_ctx expects FSDPModules, got {type(mod).__name__}")

@@ -1,0 +1,92 @@
+"""The only place fsdp2 talks to ``torch.distributed``: one all-gather and one reduce-scatter.
+
+Every collective goes through :func:`all_gather` or :func:`reduce_scatter`, which is also the
+seam where :func:`record_collectives` observes them (tests count them, benchmarks sum bytes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["CollectiveRecord", "Pending", "all_gather", "record_collectives", "reduce_scatter"]
+
+CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce"]
+
+
+@dataclass(frozen=True)
+class CollectiveRecord:
+    """One collective issued by this rank."""
+
+    kind: CollectiveKind
+    label: str  # comma-joined FQNs of the modules of the group ("" for the root module)
+    input_nbytes: int
+    output_nbytes: int
+    world_size: int
+
+
+_recorders: list[list[CollectiveRecord]] = []
+
+# torch 2.13 renamed the tensor-in, tensor-out collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@contextmanager
+def record_collectives() -> Iterator[list[CollectiveRecord]]:
+    """Collect a :class:`CollectiveRecord` for every collective fsdp2 issues while active."""
+    records: list[CollectiveRecord] = []
+    _recorders.append(records)
+    try:
+        yield records
+    finally:
+        _recorders.remove(records)
+
+
+def _record(kind: CollectiveKind, label: str, inp: torch.Tensor, out: torch.Tensor, size: int):
+    record = CollectiveRecord(
+        kind, label, inp.numel() * inp.element_size(), out.numel() * out.element_size(), size
+    )
+    for records in _recorders:
+        records.append(record)
+
+
+class Pending:
+    """An issued collective; ``wait()`` returns once its output may be read."""
+
+    __slots__ = ("_work",)
+
+    def __init__(self, work: dist.Work | None) -> None:
+        self._work = work
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+
+
+def all_gather(
+    out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, label: str
+) -> Pending:
+    """Gather every rank's ``inp`` (1-D, same size everywhere) into ``out``, rank-major."""
+    if _recorders:
+        _record("all_gather", label, inp, out, group.size())
+    return Pending(_all_gather_single(out, inp, group=group, async_op=True))
+
+
+def reduce_scatter(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    group: dist.ProcessGroup,
+    label: str,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.AVG,
+) -> Pending:
+    """Reduce ``inp`` (rank-major, ``size`` chunks) over ranks; this rank's chunk lands in ``out``."""
+    if _recorders:
+        _record("reduce_scatter", label, inp, out, group.size())
+    return Pending(_reduce_scatter_single(out, inp, op=op, group=group, async_op=True))

@@ -1,0 +1,112 @@
+"""``FSDPParam``: one parameter, seen as its slice of its group's flat buffers.
+
+Layout (see [Note: flat layout] in param_group.py): a parameter of shape ``(d0, *rest)`` is cut into
+``W`` chunks of ``ceil(d0 / W)`` rows, as ``torch.chunk`` and DTensor's ``Shard(0)`` cut it; the
+last chunks are padded with rows that exist only inside fsdp2's buffers, never in a tensor a user
+sees. A 0-d parameter cannot be cut: every rank keeps the whole scalar (``Replicate()``) and
+contributes it as a one-element chunk, so it still rides in the group's single collective.
+"""
+
+from __future__ import annotations
+
+import math
+from enum import Enum, auto
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from fsdp2.mesh import MeshInfo
+
+__all__ = ["FSDPParam", "ShardedState"]
+
+
+class ShardedState(Enum):
+    """Which form of a group's parameters is registered on its modules."""
+
+    SHARDED = auto()  # at init and after reshard(): only this rank's padded shard is allocated
+    UNSHARDED = auto()  # after the all-gather is copied out: the full parameters are allocated
+
+
+class FSDPParam:
+    """One managed parameter: its sharded ``DTensor`` parameter and its unsharded stand-in."""
+
+    def __init__(self, param: nn.Parameter, slots: list[tuple[nn.Module, str]], fqn: str) -> None:
+        self.fqn = fqn
+        # Every (module, name) the parameter is registered under: tied weights have several.
+        self.slots = [(module._parameters, name) for module, name in slots]
+        self.shape = param.shape
+        self.stride = param.stride()
+        self.dtype = param.dtype
+        self.requires_grad = param.requires_grad
+        self.numel = param.numel()
+        # Set by the group once the layout is fixed.
+        self.offset = 0  # start of this parameter's chunk inside a rank's flat shard
+        self.sharded_param: nn.Parameter  # DTensor; the optimizer's parameter
+        self.unsharded_param: nn.Parameter  # plain tensor viewing the unsharded buffer
+        self.grad_node: torch.autograd.graph.Node | None = None  # AccumulateGrad, kept alive
+
+    def plan(self, info: MeshInfo) -> None:
+        """Fix this rank's chunk: ``chunk_numel`` (padded, equal on all ranks) and the real part."""
+        world, rank = info.shard_size, info.shard_rank
+        if len(self.shape) == 0:
+            self.placement: Shard | Replicate = Replicate()
+            self.chunk_numel = 1
+            self.local_shape: tuple[int, ...] = ()
+            return
+        self.placement = Shard(0)
+        rows = self.shape[0]
+        row_numel = math.prod(self.shape[1:])
+        chunk_rows = -(-rows // world)
+        local_rows = min(max(rows - rank * chunk_rows, 0), chunk_rows)
+        self.chunk_numel = chunk_rows * row_numel
+        self.local_shape = (local_rows, *self.shape[1:])
+
+    @property
+    def local_numel(self) -> int:
+        return math.prod(self.local_shape)
+
+    def init_sharded(self, flat: torch.Tensor, info: MeshInfo, full: torch.Tensor) -> None:
+        """Copy this rank's rows of ``full`` into ``flat`` and wrap them as the sharded parameter."""
+        local = flat[self.offset : self.offset + self.local_numel].view(self.local_shape)
+        if full.device.type != "meta":
+            rows = self.chunk_numel // max(math.prod(self.shape[1:]), 1) if self.shape else 0
+            start = info.shard_rank * rows
+            with torch.no_grad():
+                local.copy_(full if not self.shape else full[start : start + self.local_shape[0]])
+        dtensor = DTensor.from_local(
+            local,
+            info.mesh,
+            (self.placement,),
+            run_check=False,
+            shape=self.shape,
+            stride=self.stride,
+        )
+        self.sharded_param = nn.Parameter(dtensor, requires_grad=self.requires_grad)
+
+    def init_unsharded(self, unsharded_flat: torch.Tensor, world: int) -> None:
+        """View this parameter's (padded) region of the group's param-major unsharded buffer."""
+        start = world * self.offset
+        view = unsharded_flat[start : start + self.numel].view(self.shape)
+        self.unsharded_param = nn.Parameter(view, requires_grad=self.requires_grad)
+        if self.requires_grad:
+            # Holding the AccumulateGrad node keeps it unique, so the engine can be asked
+            # whether it will run in a given backward (see FSDPParamGroup.on_grad_ready).
+            self.grad_node = self.unsharded_param.view_as(self.unsharded_param).grad_fn
+            if self.grad_node is not None:
+                self.grad_node = self.grad_node.next_functions[0][0]
+
+    def register(self, param: nn.Parameter) -> None:
+        for params, name in self.slots:
+            params[name] = param
+
+    def local_view(self, flat: torch.Tensor, start: int) -> torch.Tensor:
+        """This rank's real rows inside a rank-local buffer where the chunk begins at ``start``."""
+        return flat[start : start + self.local_numel].view(self.local_shape)
+
+    def make_grad(self, local: torch.Tensor) -> DTensor:
+        """A gradient with the sharded parameter's placement, wrapping ``local`` without a copy."""
+        return DTensor(local, self.sharded_param._spec, requires_grad=False)
+
+    def __repr__(self) -> str:
+        return f"FSDPParam({self.fqn}, shape={tuple(self.shape)}, chunk={self.chunk_numel})"

@@ -1,0 +1,245 @@
+"""``FSDPParamGroup``: the parameters of one ``fully_shard`` call, moved together.
+
+[Note: flat layout]
+Each rank keeps one 1-D ``sharded_flat`` buffer: the padded chunk of every parameter, trainable
+parameters first, back to back. The sharded ``DTensor`` parameters are views into it, so the
+optimizer writes straight into the all-gather input: gathering needs no copy-in. The gather lands
+rank-major (``[rank 0's chunks | rank 1's chunks | ...]``) and one ``split_with_sizes_copy``
+turns it param-major into ``unsharded_flat``, which the unsharded parameters view. A group with a
+single parameter gathers straight into ``unsharded_flat``, the two orders being the same then.
+
+[Note: freeing unsharded storage]
+Autograd saves the unsharded parameters it needs for backward. Rather than dropping the tensors,
+resharding shrinks the storage under ``unsharded_flat`` to zero bytes, and unsharding grows it back
+and refills it, so the very tensors autograd saved see valid data again in backward. The refill
+would bump their version counter and trip autograd's in-place check, so it runs under
+``_unsafe_preserve_version_counter``: the data is, by construction, what forward used.
+
+[Note: when a group's gradients are ready]
+Each unsharded parameter that needs a gradient has a post-accumulate-grad hook. At its first call
+in a backward, the group asks the autograd engine how many of its parameters' ``AccumulateGrad``
+nodes will run in this graph task; when that many have fired, every gradient the group will get is
+in, and it reduce-scatters them in one collective. Parameters outside this backward's graph are
+not waited for; anything that never fires is caught by the end-of-backward callback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from fsdp2.collectives import Pending, all_gather, reduce_scatter
+from fsdp2.mesh import MeshInfo
+from fsdp2.param import FSDPParam, ShardedState
+
+__all__ = ["FSDPParamGroup", "PendingReduce"]
+
+
+class PendingReduce:
+    """A reduce-scatter in flight; ``finish()`` waits and hands the shards to the parameters."""
+
+    __slots__ = ("keep_alive", "out", "params", "pending")
+
+    def __init__(
+        self, pending: Pending, out: torch.Tensor, params: list[FSDPParam], keep_alive: object
+    ) -> None:
+        self.pending = pending
+        self.out = out  # 1-D, this rank's reduced chunk of every parameter in ``params``
+        self.params = params
+        self.keep_alive = keep_alive  # the collective's input must outlive it
+
+    def finish(self) -> None:
+        self.pending.wait()
+        self.keep_alive = None
+        start = 0
+        for fsdp_param in self.params:
+            local = fsdp_param.local_view(self.out, start)
+            start += fsdp_param.chunk_numel
+            _accumulate_grad(fsdp_param, local)
+
+
+def _accumulate_grad(fsdp_param: FSDPParam, local: torch.Tensor) -> None:
+    param = fsdp_param.sharded_param
+    if param.grad is None:
+        param.grad = fsdp_param.make_grad(local)
+    elif isinstance(param.grad, DTensor):
+        param.grad._local_tensor.add_(local)
+    else:
+        raise RuntimeError(
+            f"fsdp2 expected the gradient of {fsdp_param.fqn} to be None or a DTensor, found a "
+            f"{type(param.grad).__name__}; assign gradients as DTensors or set them to None"
+        )
+
+
+class FSDPParamGroup:
+    """All-gathers, frees and reduce-scatters the parameters of one ``fully_shard`` call."""
+
+    def __init__(
+        self,
+        params: list[FSDPParam],
+        full_tensors: list[torch.Tensor],
+        info: MeshInfo,
+        device: torch.device,
+        label: str,
+    ) -> None:
+        self.info = info
+        self.label = label
+        self.world = world = info.shard_size
+        self.state = ShardedState.SHARDED
+        order = sorted(range(len(params)), key=lambda i: not params[i].requires_grad)
+        self.fsdp_params = [params[i] for i in order]
+        self.trainable = [p for p in self.fsdp_params if p.requires_grad]
+        dtype = _common_dtype(self.fsdp_params, label)
+        offset = 0
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.plan(info)
+            fsdp_param.offset = offset
+            offset += fsdp_param.chunk_numel
+        self.shard_numel = offset
+        # 1-D, this rank's padded chunk of every parameter; zeros so padding is deterministic.
+        self.sharded_flat = torch.zeros(offset, dtype=dtype, device=device)
+        for i, fsdp_param in zip(order, self.fsdp_params, strict=True):
+            fsdp_param.init_sharded(self.sharded_flat, info, full_tensors[i])
+            fsdp_param.group = self
+        # 1-D, param-major, every parameter padded to world * chunk. With one rank the shard is
+        # the whole parameter, so the unsharded parameters simply view the sharded buffer.
+        self.unsharded_flat = (
+            self.sharded_flat
+            if world == 1
+            else torch.empty(world * offset, dtype=dtype, device=device)
+        )
+        self._copy_out = [
+            self.unsharded_flat[world * p.offset : world * (p.offset + p.chunk_numel)].view(
+                world, p.chunk_numel
+            )
+            for p in self.fsdp_params
+        ]
+        self._chunk_sizes = [p.chunk_numel for p in self.fsdp_params]
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.init_unsharded(self.unsharded_flat, world)
+            if fsdp_param.requires_grad:
+                fsdp_param.unsharded_param.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._free_unsharded()
+        self._gather: tuple[Pending, torch.Tensor] | None = None
+        self._task = -1  # graph task whose gradients are being counted
+        self._ready = 0
+        self._expected = 0
+        self.on_grads_ready: Callable[[], None] = lambda: None  # set by the owning FSDPState
+        self.seen_in = -1  # the last iteration whose forward ran this group
+        self.order_index = 0  # its position in that forward's order
+
+    # -- unshard / reshard -----------------------------------------------------------------------
+
+    def unshard(self) -> None:
+        """Start gathering the full parameters (no-op if unsharded or already under way)."""
+        if self.state is ShardedState.UNSHARDED or self._gather is not None or self.world == 1:
+            return
+        storage = self.unsharded_flat.untyped_storage()
+        storage.resize_(self.unsharded_flat.numel() * self.unsharded_flat.element_size())
+        single = len(self.fsdp_params) == 1
+        out = self.unsharded_flat if single else torch.empty_like(self.unsharded_flat)
+        self._gather = (all_gather(out, self.sharded_flat, self.info.shard_group, self.label), out)
+
+    def wait_for_unshard(self) -> None:
+        """Finish the gather, if any, and register the unsharded parameters on the modules."""
+        if self.state is ShardedState.UNSHARDED:
+            return
+        self.unshard()
+        if self._gather is not None:
+            pending, out = self._gather
+            pending.wait()
+            self._gather = None
+            if out is not self.unsharded_flat:
+                with torch.autograd._unsafe_preserve_version_counter(self.unsharded_flat):
+                    torch.split_with_sizes_copy(
+                        out.view(self.world, self.shard_numel),
+                        self._chunk_sizes,
+                        dim=1,
+                        out=self._copy_out,
+                    )
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.register(fsdp_param.unsharded_param)
+        self.state = ShardedState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Register the sharded parameters again and free the unsharded storage."""
+        if self._gather is not None:  # a prefetch nobody used: let it land before freeing
+            self._gather[0].wait()
+            self._gather = None
+        if self.state is ShardedState.UNSHARDED:
+            for fsdp_param in self.fsdp_params:
+                fsdp_param.register(fsdp_param.sharded_param)
+            self.state = ShardedState.SHARDED
+        self._free_unsharded()
+
+    def _free_unsharded(self) -> None:
+        if self.world > 1:
+            self.unsharded_flat.untyped_storage().resize_(0)
+
+    @property
+    def unshard_pending(self) -> bool:
+        return self._gather is not None
+
+    def unsharded_nbytes(self) -> int:
+        """Bytes held by unsharded parameters now (0 when resharded; shared with the shard at W=1)."""
+        if self.world == 1:
+            return 0
+        return self.unsharded_flat.untyped_storage().nbytes()
+
+    # -- gradients --------------------------------------------------------------------------------
+
+    def _on_grad_ready(self, _param: torch.Tensor) -> None:
+        task = torch._C._current_graph_task_id()
+        if task != self._task:
+            self._task = task
+            self._ready = 0
+            self._expected = sum(
+                torch._C._will_engine_execute_node(p.grad_node)
+                for p in self.trainable
+                if p.grad_node is not None
+            )
+        self._ready += 1
+        if self._ready == self._expected:
+            self.on_grads_ready()
+
+    def has_unreduced_grads(self) -> bool:
+        return any(p.unsharded_param.grad is not None for p in self.trainable)
+
+    def reduce_grads(self) -> PendingReduce | None:
+        """Take the unsharded gradients and start their reduce-scatter; ``None`` if there are none."""
+        self._task = -1
+        params = [p for p in self.trainable if p.unsharded_param.grad is not None]
+        if not params:
+            return None
+        grads = []
+        for fsdp_param in params:
+            grad = fsdp_param.unsharded_param.grad
+            fsdp_param.unsharded_param.grad = None
+            # A scalar is replicated: every rank's chunk carries it, so each gets the mean.
+            grads.append(grad.reshape(1).expand(self.world) if grad.dim() == 0 else grad)
+        numel = sum(p.chunk_numel for p in params)
+        if self.world == 1:
+            out = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0]
+            return PendingReduce(Pending(None), out.reshape(-1), params, None)
+        inp = grads[0].new_empty(self.world, numel)
+        torch._chunk_cat(grads, dim=0, num_chunks=self.world, out=inp)
+        out = inp.new_empty(numel)
+        pending = reduce_scatter(out, inp.view(-1), self.info.shard_group, self.label)
+        return PendingReduce(pending, out, params, inp)
+
+    def __repr__(self) -> str:
+        return f"FSDPParamGroup({self.label!r}, {self.state.name}, {len(self.fsdp_params)} params)"
+
+
+def _common_dtype(params: list[FSDPParam], label: str) -> torch.dtype:
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) > 1:
+        found = ", ".join(f"{p.fqn}: {p.dtype}" for p in params)
+        raise NotImplementedError(
+            f"fully_shard({label or 'root'}) got parameters of several dtypes ({found}); one "
+            "group gathers one dtype. Call fully_shard separately on the submodules of each "
+            "dtype, or cast the module to one dtype first"
+        )
+    return dtypes.pop() if dtypes else torch.float32

@@ -1,0 +1,84 @@
+"""Policies that tune how fsdp2 stores and moves parameters: small frozen dataclasses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["CPUOffloadPolicy", "DataParallelMeshDims", "MixedPrecisionPolicy", "OffloadPolicy"]
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Dtypes used around the sharded parameters; ``None`` everywhere means full precision.
+
+    Sharded parameters and optimizer state always keep the parameters' original dtype.
+    """
+
+    param_dtype: torch.dtype | None = None
+    """Dtype of the all-gather and of the unsharded parameters used in forward/backward."""
+    reduce_dtype: torch.dtype | None = None
+    """Dtype of the gradient reduction; defaults to ``param_dtype``."""
+    output_dtype: torch.dtype | None = None
+    """Dtype that the module's floating-point outputs are cast to; ``None`` leaves them alone."""
+    cast_forward_inputs: bool = True
+    """Whether floating-point forward inputs are cast to ``param_dtype``."""
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, torch.dtype):
+                raise TypeError(
+                    f"MixedPrecisionPolicy.{name} must be a torch.dtype or None, got {value!r}"
+                )
+
+    @property
+    def is_default(self) -> bool:
+        return self.param_dtype is None and self.reduce_dtype is None and self.output_dtype is None
+
+
+@dataclass
+class OffloadPolicy:
+    """No offloading: sharded parameters, gradients and optimizer state stay on the mesh's device."""
+
+
+@dataclass
+class CPUOffloadPolicy(OffloadPolicy):
+    """Keep sharded parameters, gradients and optimizer state on CPU; copy to the device to gather."""
+
+    pin_memory: bool = True
+    """Pin the host copies (only where an accelerator exists) for faster, overlappable copies."""
+
+
+@dataclass
+class DataParallelMeshDims:
+    """Names the data-parallel dims of a full SPMD mesh whose parameters are already DTensors.
+
+    A tuple of names is flattened into one dim. At least one of the two must be given.
+    """
+
+    shard: str | tuple[str, ...] | None = None
+    """Mesh dim name(s) that fsdp2 shards parameters over."""
+    replicate: str | tuple[str, ...] | None = None
+    """Mesh dim name(s) that parameters are replicated over (HSDP, or DDP without ``shard``)."""
+
+    def __post_init__(self) -> None:
+        if self.shard is None and self.replicate is None:
+            raise ValueError(
+                "DataParallelMeshDims needs shard=..., replicate=... or both; got neither"
+            )
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        return _names(self.shard)
+
+    @property
+    def replicate_names(self) -> tuple[str, ...]:
+        return _names(self.replicate)
+
+
+def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)

@@ -1,0 +1,241 @@
+"""``FSDPState``: the per-call runtime that fsdp2 runs around a module's forward and backward.
+
+One ``FSDPState`` exists per ``fully_shard`` call. The first state whose module runs forward
+becomes the root: it gathers every state below it into one :class:`IterContext`, which holds what
+a training iteration shares (the order groups ran in, the reduce-scatter in flight, the
+end-of-backward callback).
+
+[Note: prefetch order]
+While forward runs, each group appends itself to the context's recording the first time it runs
+in that iteration; when the root's forward ends the recording becomes ``forward_order``. In the
+next forward, a group that starts computing first issues the gather of the group after it, so
+the gather overlaps its compute. In backward a group prefetches the group before it (the root
+prefetches the last one, whose gradients arrive first). A wrong guess costs memory, never
+correctness: anything gathered and unused is freed at the end of forward or backward.
+"""
+
+from __future__ import annotations
+
+import logging
+from enum import Enum, auto
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten
+
+from fsdp2.param_group import FSDPParamGroup, PendingReduce
+
+__all__ = ["FSDPState", "IterContext", "TrainingState"]
+
+logger = logging.getLogger("fsdp2")
+
+
+class TrainingState(Enum):
+    """Where a state is in the iteration; shown in ``repr`` and checked by the hooks."""
+
+    IDLE = auto()  # at init, after its post-forward, and after the end of backward
+    FORWARD = auto()  # between its pre-forward and post-forward: parameters unsharded
+    PRE_BACKWARD = auto()  # its outputs' gradients arrived: parameters unsharded for backward
+    POST_BACKWARD = auto()  # its gradients were handed to the reduce-scatter; resharded
+
+
+def _trace(label: str, fqn: str) -> None:
+    """One event per hook, for the profiler and the ``fsdp2`` logger; near free when both are off."""
+    if torch._C._autograd._profiler_enabled():
+        with torch.profiler.record_function(f"fsdp2::{label} {fqn}"):
+            pass
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("fsdp2::%s %s", label, fqn)
+
+
+class IterContext:
+    """What the states under one root share during a training iteration."""
+
+    def __init__(self, states: list[FSDPState]) -> None:
+        self.states = states  # pre-order: the root first
+        self.groups = [s.group for s in states if s.group is not None]
+        self.forward_order: list[FSDPParamGroup] = []  # last completed forward's group order
+        self.recording: list[FSDPParamGroup] = []
+        self.iteration = 0
+        self.pending: PendingReduce | None = None  # at most one reduce-scatter in flight
+        self.callback_queued = False
+
+    def record(self, group: FSDPParamGroup) -> FSDPParamGroup | None:
+        """Note that ``group`` runs now; return the group expected to run next, if known."""
+        if group.seen_in != self.iteration:
+            group.seen_in = self.iteration
+            group.order_index = len(self.recording)
+            self.recording.append(group)
+        order = self.forward_order
+        index = group.order_index + 1
+        if index < len(order) and order[index - 1] is group:
+            return order[index]
+        return None
+
+    def start_forward(self) -> None:
+        self.iteration += 1
+        self.recording = []
+
+    def end_forward(self) -> None:
+        self.forward_order = self.recording
+
+    def queue_end_of_backward(self) -> None:
+        if not self.callback_queued:
+            self.callback_queued = True
+            Variable._execution_engine.queue_callback(self.end_of_backward)
+
+    def swap_pending(self, reduce: PendingReduce | None) -> None:
+        """Finish the reduce-scatter in flight and let ``reduce`` take its place."""
+        if self.pending is not None:
+            self.pending.finish()
+        self.pending = reduce
+
+    def end_of_backward(self) -> None:
+        """Reduce whatever was not reduced yet, wait for it all, and reshard every group."""
+        _trace("end_of_backward", "")
+        for state in self.states:
+            group = state.group
+            if group is not None and group.has_unreduced_grads():
+                self.swap_pending(group.reduce_grads())
+        self.swap_pending(None)
+        for state in self.states:
+            if state.group is not None:
+                state.group.reshard()
+            state.training_state = TrainingState.IDLE
+        self.callback_queued = False
+
+
+class FSDPState:
+    """Hooks and per-iteration state for the modules of one ``fully_shard`` call."""
+
+    def __init__(
+        self,
+        modules: tuple[nn.Module, ...],
+        group: FSDPParamGroup | None,
+        reshard_after_forward: bool | None,
+        fqn: str,
+    ) -> None:
+        self.modules = modules
+        self.group = group
+        self.fqn = fqn
+        # None: decided at lazy init (the root keeps its parameters, others reshard).
+        self.requested_reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward = bool(reshard_after_forward)
+        self.ctx: IterContext | None = None
+        self.is_root = False
+        self.training_state = TrainingState.IDLE
+        if group is not None:
+            group.on_grads_ready = self._post_backward
+
+    # -- lazy init --------------------------------------------------------------------------------
+
+    def _lazy_init(self) -> None:
+        """Make this state the root of every fsdp2 state in its modules' subtrees."""
+        states: list[FSDPState] = []
+        for module in self.modules:
+            for sub in module.modules():
+                state = sub.__dict__.get("_fsdp2_state")
+                if state is not None and state not in states:
+                    states.append(state)
+        ctx = IterContext(states)
+        names = {id(m): n for top in self.modules for n, m in top.named_modules()}
+        for state in states:
+            state.fqn = ",".join(names.get(id(m), "") for m in state.modules)
+            if state.group is not None:
+                state.group.label = state.fqn
+            state.ctx = ctx
+            state.is_root = state is self
+            requested = state.requested_reshard_after_forward
+            state.reshard_after_forward = (not state.is_root) if requested is None else requested
+        _trace("lazy_init", self.fqn)
+
+    # -- forward ----------------------------------------------------------------------------------
+
+    def pre_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.ctx is None:
+            self._lazy_init()
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            return  # forward recomputed inside backward (activation checkpointing)
+        ctx = self.ctx
+        assert ctx is not None
+        if self.is_root:
+            ctx.start_forward()
+        group = self.group
+        if group is None:
+            return
+        _trace("pre_forward", self.fqn)
+        self.training_state = TrainingState.FORWARD
+        group.wait_for_unshard()
+        following = ctx.record(group)
+        if following is not None:
+            following.unshard()
+
+    def post_forward(self, output: Any) -> Any:
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            return output
+        group = self.group
+        grad_enabled = torch.is_grad_enabled()
+        if group is not None:
+            _trace("post_forward", self.fqn)
+            if self.reshard_after_forward or not grad_enabled:
+                group.reshard()
+            self.training_state = TrainingState.IDLE
+        if self.is_root:
+            assert self.ctx is not None
+            self.ctx.end_forward()
+            self._free_unused(everything=not grad_enabled)
+        if grad_enabled:
+            self._hook_outputs(output)
+        return output
+
+    def _free_unused(self, everything: bool) -> None:
+        """At the root's post-forward: free gathers nobody used (all of them under no_grad)."""
+        assert self.ctx is not None
+        for group in self.ctx.groups:
+            if everything or (group.seen_in != self.ctx.iteration and group.unshard_pending):
+                group.reshard()
+
+    def _hook_outputs(self, output: Any) -> None:
+        if isinstance(output, torch.Tensor):
+            if output.requires_grad:
+                output.register_hook(self._pre_backward)
+            return
+        for leaf in tree_flatten(output)[0]:
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                leaf.register_hook(self._pre_backward)
+
+    # -- backward ---------------------------------------------------------------------------------
+
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        ctx = self.ctx
+        assert ctx is not None
+        ctx.queue_end_of_backward()
+        group = self.group
+        if group is None or self.training_state is TrainingState.PRE_BACKWARD:
+            return
+        _trace("pre_backward", self.fqn)
+        self.training_state = TrainingState.PRE_BACKWARD
+        group.wait_for_unshard()
+        order = ctx.forward_order
+        if group.seen_in == ctx.iteration and order and order[group.order_index] is group:
+            previous = order[-1] if group.order_index == 0 else order[group.order_index - 1]
+            if previous is not group:
+                previous.unshard()
+
+    def _post_backward(self) -> None:
+        ctx = self.ctx
+        group = self.group
+        assert ctx is not None and group is not None
+        _trace("post_backward", self.fqn)
+        ctx.queue_end_of_backward()
+        reduce = group.reduce_grads()
+        group.reshard()
+        ctx.swap_pending(reduce)
+        self.training_state = TrainingState.POST_BACKWARD
+
+    def __repr__(self) -> str:
+        sharded = self.group.state.name if self.group is not None else "no params"
+        role = "root" if self.is_root else "child"
+        return f"FSDPState({self.fqn or '<root>'}, {role}, {self.training_state.name}, {sharded})"
