@@ -5,14 +5,16 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterable
 from types import MethodType
-from typing import Any, NoReturn, overload
+from typing import Any, overload
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from fsdp2.mesh import default_mesh, device_of, mesh_info
+from fsdp2.mesh import MeshInfo, default_mesh, device_of, mesh_info
+from fsdp2.module import STATE_ATTR, FSDPModule, UnshardHandle, state_of
 from fsdp2.param import FSDPParam
 from fsdp2.param_group import FSDPParamGroup
 from fsdp2.policies import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
@@ -25,12 +27,6 @@ __all__ = [
     "register_fsdp_forward_method",
     "share_comm_ctx",
 ]
-
-_STATE = "_fsdp2_state"
-
-
-def _state_of(module: nn.Module) -> FSDPState | None:
-    return module.__dict__.get(_STATE)
 
 
 @overload
@@ -101,17 +97,47 @@ def fully_shard(
         fulls.append(param.detach().to(device))
     group = FSDPParamGroup(params, fulls, info, device, label) if params else None
     del fulls
+    owner = ", ".join(type(m).__name__ for m in modules)
     for fsdp_param in params:
+        fsdp_param.sharded_param._fsdp2_owner = owner  # type: ignore[attr-defined]
         fsdp_param.register(fsdp_param.sharded_param)
     for managed in _managed_modules(modules):
         for name, buf in managed._buffers.items():
             if buf is not None and buf.device != device:
                 managed._buffers[name] = buf.to(device)
+    reshard_after_forward = _resolve_reshard_after_forward(reshard_after_forward, info, group)
     state = FSDPState(modules, group, reshard_after_forward, fqn="")
     for mod in modules:
-        mod.__dict__[_STATE] = state
+        mod.__dict__[STATE_ATTR] = state
         mod.__class__ = _fsdp_class(type(mod))
     return list(modules) if isinstance(module, list) else modules[0]  # type: ignore[return-value]
+
+
+def _resolve_reshard_after_forward(
+    value: bool | int | None, info: MeshInfo, group: FSDPParamGroup | None
+) -> bool | None:
+    """An int k keeps parameters sharded over k ranks after forward: 1 means False, the whole
+    shard size means True, and other divisors set up the k-rank groups backward gathers in."""
+    if value is None or isinstance(value, bool):
+        return value
+    world = info.shard_size
+    divisors = [k for k in range(1, world + 1) if world % k == 0]
+    if not isinstance(value, int) or value not in divisors:
+        raise ValueError(
+            f"reshard_after_forward={value!r} must be a bool, None, or a divisor of the shard "
+            f"world size {world}: one of {divisors} (1 means False, {world} means True)"
+        )
+    if value in (1, world):
+        return value == world
+    ranks = dist.get_process_group_ranks(info.shard_group)
+    for start in range(0, world, value):  # every rank creates every group, in the same order
+        pg = dist.new_group(ranks[start : start + value])
+        if start <= info.shard_rank < start + value and group is not None:
+            group.partial_group = pg
+    if group is not None:
+        block = info.shard_rank % value
+        group.partial_rows = (block * world // value, (block + 1) * world // value)
+    return True
 
 
 def _check_modules(modules: tuple[nn.Module, ...]) -> None:
@@ -120,7 +146,7 @@ def _check_modules(modules: tuple[nn.Module, ...]) -> None:
     for mod in modules:
         if not isinstance(mod, nn.Module):
             raise TypeError(f"fully_shard expects an nn.Module or a list of them, got {mod!r}")
-        if _state_of(mod) is not None:
+        if state_of(mod) is not None:
             raise ValueError(
                 f"fully_shard was already applied to this {type(mod).__name__}; apply it once "
                 "per module (bottom-up: submodules first, then their parent)"
@@ -140,8 +166,6 @@ def _check_unsupported(
     dp_mesh_dims: object,
 ) -> None:
     todo = []
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        todo.append(f"reshard_after_forward={reshard_after_forward!r} (an int)")
     if shard_placement_fn is not None:
         todo.append("shard_placement_fn")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
@@ -172,7 +196,7 @@ def _managed_modules(modules: Iterable[nn.Module]) -> list[nn.Module]:
         stack.extend(
             child
             for child in reversed(list(mod.children()))
-            if _state_of(child) is None and id(child) not in seen
+            if state_of(child) is None and id(child) not in seen
         )
     return found
 
@@ -182,13 +206,6 @@ def _managed_params(
 ) -> dict[nn.Parameter, tuple[str, list[tuple[nn.Module, str]]]]:
     """Each parameter this call manages → (its first FQN, every (module, name) it sits under)."""
     managed = _managed_modules(modules)
-    claimed = {
-        id(p): mod
-        for top in modules
-        for mod in top.modules()
-        if _state_of(mod) is not None
-        for p in mod.parameters()
-    }
     names = {id(m): n for top in modules for n, m in top.named_modules()}
     out: dict[nn.Parameter, tuple[str, list[tuple[nn.Module, str]]]] = {}
     for mod in managed:
@@ -196,12 +213,12 @@ def _managed_params(
             if param is None or param in ignored:
                 continue
             fqn = f"{names.get(id(mod), '')}.{name}".lstrip(".")
-            if id(param) in claimed:
-                owner = type(claimed[id(param)]).__name__
+            owner = getattr(param, "_fsdp2_owner", None)
+            if owner is not None:
                 raise ValueError(
-                    f"{fqn} is also a parameter of a submodule ({owner}) that fully_shard was "
-                    "already applied to: a tied weight cannot live in two groups. Group the "
-                    "modules that share it in one call: fully_shard([module_a, module_b])"
+                    f"{fqn} (in {type(mod).__name__}) is already sharded by the fully_shard call "
+                    f"on {owner}: a tied weight cannot live in two groups. Group the modules "
+                    "that share it in one call, e.g. fully_shard([embedding, lm_head])"
                 )
             if isinstance(param, DTensor):
                 raise NotImplementedError(
@@ -238,89 +255,9 @@ def _fsdp_class(cls: type) -> type:
     return _fsdp_classes[cls]
 
 
-class UnshardHandle:
-    """Returned by ``FSDPModule.unshard(async_op=True)``: ``wait()`` finishes the all-gather."""
-
-    def __init__(self, group: FSDPParamGroup | None = None) -> None:
-        self._group = group
-
-    def wait(self) -> None:
-        if self._group is not None:
-            self._group.wait_for_unshard()
-            self._group = None
-
-
-class FSDPModule:
-    """Mixed into every module ``fully_shard`` was applied to (as ``FSDP<OriginalClass>``)."""
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        # Containers build new instances of their own class (e.g. slicing nn.Sequential): those
-        # hold no fsdp2 state, so they get the original class.
-        plain = cls.__mro__[2]
-        obj = plain.__new__(plain)
-        obj.__init__(*args, **kwargs)
-        return obj
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        state: FSDPState = self.__dict__[_STATE]
-        state.pre_forward(args, kwargs)
-        return state.post_forward(super().__call__(*args, **kwargs))  # type: ignore[misc]
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
-        raise RuntimeError(
-            f"cannot deepcopy {type(self).__name__}: its parameters are shards of a model spread "
-            "over ranks. Deepcopy the model before calling fully_shard, or build a new one"
-        )
-
-    def _get_fsdp_state(self) -> FSDPState:
-        return self.__dict__[_STATE]
-
-    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        """Gather this module's parameters now; with ``async_op`` return a handle to wait on."""
-        state = self._get_fsdp_state()
-        if state.ctx is None:
-            state._lazy_init()
-        group = state.group
-        if group is not None:
-            group.unshard()
-        handle = UnshardHandle(group)
-        if async_op:
-            return handle
-        handle.wait()
-        return None
-
-    def reshard(self) -> None:
-        """Free this module's gathered parameters and register the sharded ones."""
-        group = self._get_fsdp_state().group
-        if group is not None:
-            group.reshard()
-
-    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
-        """Whether to free gathered parameters after forward (for this module and, by default,
-        every fsdp2 module below it)."""
-        if not isinstance(reshard_after_forward, bool):
-            raise ValueError(
-                f"set_reshard_after_forward expects a bool, got {reshard_after_forward!r}"
-            )
-        for state in _states(self, recurse):
-            state.requested_reshard_after_forward = reshard_after_forward
-            state.reshard_after_forward = reshard_after_forward
-
-
-def _states(module: FSDPModule, recurse: bool) -> list[FSDPState]:
-    if not recurse:
-        return [module._get_fsdp_state()]
-    found: list[FSDPState] = []
-    for sub in module.modules():  # type: ignore[attr-defined]
-        state = _state_of(sub)
-        if state is not None and state not in found:
-            found.append(state)
-    return found
-
-
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Run fsdp2's forward hooks around ``module.<method_name>`` too (e.g. ``generate``)."""
-    state = _state_of(module)
+    state = state_of(module)
     if state is None:
         warnings.warn(
             f"register_fsdp_forward_method: {type(module).__name__} is not an FSDPModule; "

@@ -6,7 +6,8 @@ seam where :func:`record_collectives` observes them (tests count them, benchmark
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
@@ -14,7 +15,16 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-__all__ = ["CollectiveRecord", "Pending", "all_gather", "record_collectives", "reduce_scatter"]
+__all__ = [
+    "AllGather",
+    "CollectiveRecord",
+    "Comm",
+    "Pending",
+    "ReduceScatter",
+    "all_gather",
+    "record_collectives",
+    "reduce_scatter",
+]
 
 CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce"]
 
@@ -70,12 +80,55 @@ class Pending:
             self._work = None
 
 
+class Comm(ABC):
+    """A user-supplied collective: where its buffers come from, and how it runs."""
+
+    @abstractmethod
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """Return an uninitialised buffer of ``size`` for this collective to write into."""
+
+
+class AllGather(Comm):
+    """Replaces the group's all-gather: ``output`` gets every rank's ``input``, rank-major."""
+
+    @abstractmethod
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None: ...
+
+
+class ReduceScatter(Comm):
+    """Replaces the group's reduce-scatter: ``output`` gets this rank's reduced chunk."""
+
+    @abstractmethod
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp.RedOpType,
+        async_op: bool = False,
+    ) -> dist.Work | None: ...
+
+
 def all_gather(
-    out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, label: str
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    group: dist.ProcessGroup,
+    label: str,
+    comm: AllGather | None = None,
 ) -> Pending:
     """Gather every rank's ``inp`` (1-D, same size everywhere) into ``out``, rank-major."""
     if _recorders:
         _record("all_gather", label, inp, out, group.size())
+    if comm is not None:
+        return Pending(comm(out, inp, group, async_op=True))
     return Pending(_all_gather_single(out, inp, group=group, async_op=True))
 
 
@@ -84,9 +137,12 @@ def reduce_scatter(
     inp: torch.Tensor,
     group: dist.ProcessGroup,
     label: str,
-    op: dist.ReduceOp.RedOpType = dist.ReduceOp.AVG,
+    op: dist.ReduceOp.RedOpType,
+    comm: ReduceScatter | None = None,
 ) -> Pending:
-    """Reduce ``inp`` (rank-major, ``size`` chunks) over ranks; this rank's chunk lands in ``out``."""
+    """Reduce ``inp`` (rank-major chunks) over ranks; this rank's chunk lands in ``out``."""
     if _recorders:
         _record("reduce_scatter", label, inp, out, group.size())
+    if comm is not None:
+        return Pending(comm(out, inp, group, op, async_op=True))
     return Pending(_reduce_scatter_single(out, inp, op=op, group=group, async_op=True))

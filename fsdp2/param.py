@@ -26,6 +26,7 @@ class ShardedState(Enum):
 
     SHARDED = auto()  # at init and after reshard(): only this rank's padded shard is allocated
     UNSHARDED = auto()  # after the all-gather is copied out: the full parameters are allocated
+    PARTIAL = auto()  # after forward with reshard_after_forward=k: W/k chunks kept for backward
 
 
 class FSDPParam:

@@ -28,9 +28,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from fsdp2.collectives import Pending, all_gather, reduce_scatter
+from fsdp2.collectives import AllGather, Pending, ReduceScatter, all_gather, reduce_scatter
 from fsdp2.mesh import MeshInfo
 from fsdp2.param import FSDPParam, ShardedState
 
@@ -38,29 +39,39 @@ __all__ = ["FSDPParamGroup", "PendingReduce"]
 
 
 class PendingReduce:
-    """A reduce-scatter in flight; ``finish()`` waits and hands the shards to the parameters."""
+    """A reduce-scatter in flight; ``finish()`` waits and returns each parameter's reduced shard."""
 
-    __slots__ = ("keep_alive", "out", "params", "pending")
+    __slots__ = ("after", "keep_alive", "out", "params", "pending")
 
     def __init__(
-        self, pending: Pending, out: torch.Tensor, params: list[FSDPParam], keep_alive: object
+        self,
+        pending: Pending,
+        out: torch.Tensor,
+        params: list[FSDPParam],
+        keep_alive: object,
+        after: Callable[[torch.Tensor], None] | None,
     ) -> None:
         self.pending = pending
         self.out = out  # 1-D, this rank's reduced chunk of every parameter in ``params``
         self.params = params
         self.keep_alive = keep_alive  # the collective's input must outlive it
+        self.after = after  # scaling and the user's all-reduce hook, run on ``out`` once reduced
 
-    def finish(self) -> None:
+    def finish(self) -> list[tuple[FSDPParam, torch.Tensor]]:
         self.pending.wait()
         self.keep_alive = None
+        if self.after is not None:
+            self.after(self.out)
+        shards = []
         start = 0
         for fsdp_param in self.params:
-            local = fsdp_param.local_view(self.out, start)
+            shards.append((fsdp_param, fsdp_param.local_view(self.out, start)))
             start += fsdp_param.chunk_numel
-            _accumulate_grad(fsdp_param, local)
+        return shards
 
 
-def _accumulate_grad(fsdp_param: FSDPParam, local: torch.Tensor) -> None:
+def accumulate_grad(fsdp_param: FSDPParam, local: torch.Tensor) -> None:
+    """Hand a reduced shard to the sharded parameter: as its gradient, or added to it."""
     param = fsdp_param.sharded_param
     if param.grad is None:
         param.grad = fsdp_param.make_grad(local)
@@ -123,12 +134,30 @@ class FSDPParamGroup:
                 fsdp_param.unsharded_param.register_post_accumulate_grad_hook(self._on_grad_ready)
         self._free_unsharded()
         self._gather: tuple[Pending, torch.Tensor] | None = None
+        # reshard_after_forward=k: the k-rank group that gathers in backward, which of the k
+        # blocks of W/k consecutive ranks' chunks this rank keeps, and (in PARTIAL) that block.
+        self.partial_group: dist.ProcessGroup | None = None
+        self.partial_rows = (0, 0)
+        self._partial: torch.Tensor | None = None
         self._task = -1  # graph task whose gradients are being counted
         self._ready = 0
         self._expected = 0
         self.on_grads_ready: Callable[[], None] = lambda: None  # set by the owning FSDPState
         self.seen_in = -1  # the last iteration whose forward ran this group
         self.order_index = 0  # its position in that forward's order
+        self.reduced_in_backward = False  # reduce-scattered since the last end of backward
+        # Knobs set through FSDPModule's set_* methods.
+        self.reduce_grads_enabled = True  # False: accumulate unreduced gradients (no sync)
+        self.reshard_after_backward = True
+        self.unshard_in_backward = True
+        self.divide_factor: float | None = None  # None: average over the shard ranks
+        self.force_sum_reduction = False
+        self.reduce_scatter_unused = False  # give unused parameters zeros so ranks agree
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self.custom_all_gather: AllGather | None = None
+        self.custom_reduce_scatter: ReduceScatter | None = None
+        self.max_in_flight = 1  # reduce-scatters (and their input buffers) alive at once
+        self.requires_all_reduce = True  # only meaningful with a replicate axis (HSDP)
 
     # -- unshard / reshard -----------------------------------------------------------------------
 
@@ -138,9 +167,20 @@ class FSDPParamGroup:
             return
         storage = self.unsharded_flat.untyped_storage()
         storage.resize_(self.unsharded_flat.numel() * self.unsharded_flat.element_size())
-        single = len(self.fsdp_params) == 1
-        out = self.unsharded_flat if single else torch.empty_like(self.unsharded_flat)
-        self._gather = (all_gather(out, self.sharded_flat, self.info.shard_group, self.label), out)
+        comm = self.custom_all_gather
+        if comm is not None:
+            flat = self.unsharded_flat
+            out = comm.allocate(flat.shape, dtype=flat.dtype, device=flat.device)
+        elif len(self.fsdp_params) == 1:
+            out = self.unsharded_flat  # one parameter: rank-major is param-major
+        else:
+            out = torch.empty_like(self.unsharded_flat)
+        if self._partial is not None:
+            source, group = self._partial, self.partial_group
+        else:
+            source, group = self.sharded_flat, self.info.shard_group
+        assert group is not None
+        self._gather = (all_gather(out, source, group, self.label, comm), out)
 
     def wait_for_unshard(self) -> None:
         """Finish the gather, if any, and register the unsharded parameters on the modules."""
@@ -151,6 +191,7 @@ class FSDPParamGroup:
             pending, out = self._gather
             pending.wait()
             self._gather = None
+            self._partial = None
             if out is not self.unsharded_flat:
                 with torch.autograd._unsafe_preserve_version_counter(self.unsharded_flat):
                     torch.split_with_sizes_copy(
@@ -171,8 +212,22 @@ class FSDPParamGroup:
         if self.state is ShardedState.UNSHARDED:
             for fsdp_param in self.fsdp_params:
                 fsdp_param.register(fsdp_param.sharded_param)
-            self.state = ShardedState.SHARDED
+        self.state = ShardedState.SHARDED
+        self._partial = None
         self._free_unsharded()
+
+    def reshard_partial(self) -> None:
+        """Reshard, but keep this rank's block of W/k ranks' chunks so that backward gathers
+        within a k-rank group (``reshard_after_forward=k``)."""
+        if self.state is not ShardedState.UNSHARDED or self.partial_group is None:
+            self.reshard()
+            return
+        lo, hi = self.partial_rows
+        # Param-major → the rank-major layout those W/k ranks would contribute to a full gather.
+        partial = torch.cat([view[lo:hi] for view in self._copy_out], dim=1).view(-1)
+        self.reshard()
+        self._partial = partial
+        self.state = ShardedState.PARTIAL
 
     def _free_unsharded(self) -> None:
         if self.world > 1:
@@ -207,27 +262,64 @@ class FSDPParamGroup:
     def has_unreduced_grads(self) -> bool:
         return any(p.unsharded_param.grad is not None for p in self.trainable)
 
+    def drop_unreduced_grads(self) -> None:
+        for fsdp_param in self.trainable:
+            fsdp_param.unsharded_param.grad = None
+
     def reduce_grads(self) -> PendingReduce | None:
         """Take the unsharded gradients and start their reduce-scatter; ``None`` if there are none."""
         self._task = -1
-        params = [p for p in self.trainable if p.unsharded_param.grad is not None]
+        self.reduced_in_backward = True
+        if self.reduce_scatter_unused:
+            params = self.trainable
+        else:
+            params = [p for p in self.trainable if p.unsharded_param.grad is not None]
         if not params:
             return None
-        grads = []
-        for fsdp_param in params:
-            grad = fsdp_param.unsharded_param.grad
-            fsdp_param.unsharded_param.grad = None
-            # A scalar is replicated: every rank's chunk carries it, so each gets the mean.
-            grads.append(grad.reshape(1).expand(self.world) if grad.dim() == 0 else grad)
-        numel = sum(p.chunk_numel for p in params)
+        grads = [self._take_grad(p) for p in params]
+        after = self._after_reduce()
         if self.world == 1:
             out = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0]
-            return PendingReduce(Pending(None), out.reshape(-1), params, None)
-        inp = grads[0].new_empty(self.world, numel)
+            return PendingReduce(Pending(None), out.reshape(-1), params, None, after)
+        numel = sum(p.chunk_numel for p in params)
+        comm = self.custom_reduce_scatter
+        if comm is not None:
+            inp = comm.allocate((self.world, numel), dtype=grads[0].dtype, device=grads[0].device)
+            out = comm.allocate((numel,), dtype=grads[0].dtype, device=grads[0].device)
+        else:
+            inp = grads[0].new_empty(self.world, numel)
+            out = inp.new_empty(numel)
         torch._chunk_cat(grads, dim=0, num_chunks=self.world, out=inp)
-        out = inp.new_empty(numel)
-        pending = reduce_scatter(out, inp.view(-1), self.info.shard_group, self.label)
-        return PendingReduce(pending, out, params, inp)
+        op = dist.ReduceOp.SUM if after is not None else dist.ReduceOp.AVG
+        pending = reduce_scatter(out, inp.view(-1), self.info.shard_group, self.label, op, comm)
+        return PendingReduce(pending, out, params, inp, after)
+
+    def _take_grad(self, fsdp_param: FSDPParam) -> torch.Tensor:
+        unsharded = fsdp_param.unsharded_param
+        grad = unsharded.grad
+        unsharded.grad = None
+        if grad is None:  # unused here, but other ranks may have used it
+            grad = torch.zeros_like(unsharded)
+        # A scalar is replicated: every rank's chunk carries it, so each gets the reduced value.
+        return grad.reshape(1).expand(self.world) if grad.dim() == 0 else grad
+
+    def _after_reduce(self) -> Callable[[torch.Tensor], None] | None:
+        """What runs on the reduced shard: the division when not averaging in the collective
+        (a custom factor, or sums forced), then the user's hook. ``None`` when nothing does."""
+        factor = self.divide_factor
+        if factor is None and (self.force_sum_reduction or self.world == 1):
+            factor = float(self.world)
+        hook = self.all_reduce_hook
+        if factor is None and hook is None:
+            return None
+
+        def after(out: torch.Tensor) -> None:
+            if factor is not None and factor != 1.0:
+                out.div_(factor)
+            if hook is not None:
+                hook(out)
+
+        return after
 
     def __repr__(self) -> str:
         return f"FSDPParamGroup({self.label!r}, {self.state.name}, {len(self.fsdp_params)} params)"

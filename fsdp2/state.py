@@ -17,6 +17,7 @@ correctness: anything gathered and unused is freed at the end of forward or back
 from __future__ import annotations
 
 import logging
+from collections import deque
 from enum import Enum, auto
 from typing import Any
 
@@ -25,7 +26,8 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
-from fsdp2.param_group import FSDPParamGroup, PendingReduce
+from fsdp2.param import FSDPParam
+from fsdp2.param_group import FSDPParamGroup, PendingReduce, accumulate_grad
 
 __all__ = ["FSDPState", "IterContext", "TrainingState"]
 
@@ -59,8 +61,13 @@ class IterContext:
         self.forward_order: list[FSDPParamGroup] = []  # last completed forward's group order
         self.recording: list[FSDPParamGroup] = []
         self.iteration = 0
-        self.pending: PendingReduce | None = None  # at most one reduce-scatter in flight
+        self.in_flight: deque[PendingReduce] = deque()  # reduce-scatters not waited for yet
+        # Reduced shards are handed to the parameters only when backward ends, so a backward
+        # that raises leaves no partial gradients behind (see reset()).
+        self.reduced: list[tuple[FSDPParam, torch.Tensor]] = []
         self.callback_queued = False
+        self.is_last_backward = True
+        self.post_optim_event: torch.Event | None = None
 
     def record(self, group: FSDPParamGroup) -> FSDPParamGroup | None:
         """Note that ``group`` runs now; return the group expected to run next, if known."""
@@ -75,6 +82,12 @@ class IterContext:
         return None
 
     def start_forward(self) -> None:
+        if self.callback_queued:
+            # The last backward never reached its end (it raised): recover before going on.
+            self.reset()
+        if self.post_optim_event is not None:
+            self.post_optim_event.wait()
+            self.post_optim_event = None
         self.iteration += 1
         self.recording = []
 
@@ -86,23 +99,53 @@ class IterContext:
             self.callback_queued = True
             Variable._execution_engine.queue_callback(self.end_of_backward)
 
-    def swap_pending(self, reduce: PendingReduce | None) -> None:
-        """Finish the reduce-scatter in flight and let ``reduce`` take its place."""
-        if self.pending is not None:
-            self.pending.finish()
-        self.pending = reduce
+    def add_reduce(self, reduce: PendingReduce | None, max_in_flight: int) -> None:
+        """Put ``reduce`` in flight, first finishing older ones beyond ``max_in_flight - 1``."""
+        if reduce is None:
+            return
+        while len(self.in_flight) >= max_in_flight:
+            self.reduced.extend(self.in_flight.popleft().finish())
+        self.in_flight.append(reduce)
 
     def end_of_backward(self) -> None:
         """Reduce whatever was not reduced yet, wait for it all, and reshard every group."""
         _trace("end_of_backward", "")
+        for group in self.groups:
+            if group.reduce_grads_enabled and (
+                group.has_unreduced_grads()
+                or (
+                    group.reduce_scatter_unused
+                    and not group.reduced_in_backward
+                    and group.trainable
+                )
+            ):
+                self.add_reduce(group.reduce_grads(), max_in_flight=1_000_000)
+        if self.is_last_backward:
+            while self.in_flight:
+                self.reduced.extend(self.in_flight.popleft().finish())
+        for fsdp_param, shard in self.reduced:
+            accumulate_grad(fsdp_param, shard)
+        self.reduced = []
         for state in self.states:
             group = state.group
-            if group is not None and group.has_unreduced_grads():
-                self.swap_pending(group.reduce_grads())
-        self.swap_pending(None)
+            if group is not None:
+                group.reduced_in_backward = False
+                if group.reshard_after_backward:
+                    group.reshard()
+            state.training_state = TrainingState.IDLE
+        self.callback_queued = False
+
+    def reset(self) -> None:
+        """Forget a failed iteration: its collectives, its gradients, its unsharded parameters."""
+        while self.in_flight:
+            self.in_flight.popleft().finish()
+        self.reduced = []
         for state in self.states:
-            if state.group is not None:
-                state.group.reshard()
+            group = state.group
+            if group is not None:
+                group.drop_unreduced_grads()
+                group.reduced_in_backward = False
+                group.reshard()
             state.training_state = TrainingState.IDLE
         self.callback_queued = False
 
@@ -126,6 +169,9 @@ class FSDPState:
         self.ctx: IterContext | None = None
         self.is_root = False
         self.training_state = TrainingState.IDLE
+        # Explicit prefetch targets (set_modules_to_*_prefetch); None: use the recorded order.
+        self.forward_prefetch: list[FSDPParamGroup] | None = None
+        self.backward_prefetch: list[FSDPParamGroup] | None = None
         if group is not None:
             group.on_grads_ready = self._post_backward
 
@@ -169,7 +215,10 @@ class FSDPState:
         self.training_state = TrainingState.FORWARD
         group.wait_for_unshard()
         following = ctx.record(group)
-        if following is not None:
+        if self.forward_prefetch is not None:
+            for target in self.forward_prefetch:
+                target.unshard()
+        elif following is not None:
             following.unshard()
 
     def post_forward(self, output: Any) -> Any:
@@ -179,8 +228,10 @@ class FSDPState:
         grad_enabled = torch.is_grad_enabled()
         if group is not None:
             _trace("post_forward", self.fqn)
-            if self.reshard_after_forward or not grad_enabled:
+            if not grad_enabled:
                 group.reshard()
+            elif self.reshard_after_forward:
+                group.reshard_partial()
             self.training_state = TrainingState.IDLE
         if self.is_root:
             assert self.ctx is not None
@@ -217,11 +268,16 @@ class FSDPState:
             return
         _trace("pre_backward", self.fqn)
         self.training_state = TrainingState.PRE_BACKWARD
-        group.wait_for_unshard()
+        if group.unshard_in_backward:
+            group.wait_for_unshard()
+        if self.backward_prefetch is not None:
+            for target in self.backward_prefetch:
+                target.unshard()
+            return
         order = ctx.forward_order
         if group.seen_in == ctx.iteration and order and order[group.order_index] is group:
             previous = order[-1] if group.order_index == 0 else order[group.order_index - 1]
-            if previous is not group:
+            if previous is not group and previous.unshard_in_backward:
                 previous.unshard()
 
     def _post_backward(self) -> None:
@@ -230,9 +286,10 @@ class FSDPState:
         assert ctx is not None and group is not None
         _trace("post_backward", self.fqn)
         ctx.queue_end_of_backward()
-        reduce = group.reduce_grads()
-        group.reshard()
-        ctx.swap_pending(reduce)
+        if group.reduce_grads_enabled:
+            ctx.add_reduce(group.reduce_grads(), group.max_in_flight)
+        if group.reshard_after_backward:
+            group.reshard()
         self.training_state = TrainingState.POST_BACKWARD
 
     def __repr__(self) -> str:

@@ -1,0 +1,249 @@
+"""``FSDPModule``: the methods every fully-sharded module gains, and ``UnshardHandle``."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import torch
+import torch.nn as nn
+
+from fsdp2.collectives import AllGather, ReduceScatter
+from fsdp2.param_group import FSDPParamGroup
+from fsdp2.state import FSDPState
+
+__all__ = ["STATE_ATTR", "FSDPModule", "UnshardHandle", "state_of"]
+
+STATE_ATTR = "_fsdp2_state"
+
+
+def state_of(module: nn.Module) -> FSDPState | None:
+    return module.__dict__.get(STATE_ATTR)
+
+
+class FSDPModule:
+    """Mixed into every module ``fully_shard`` was applied to (as ``FSDP<OriginalClass>``)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Containers build new instances of their own class (e.g. slicing nn.Sequential): those
+        # hold no fsdp2 state, so they get the original class.
+        plain = cls.__mro__[2]
+        obj = plain.__new__(plain)
+        obj.__init__(*args, **kwargs)
+        return obj
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        state: FSDPState = self.__dict__[STATE_ATTR]
+        state.pre_forward(args, kwargs)
+        return state.post_forward(super().__call__(*args, **kwargs))  # type: ignore[misc]
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
+        raise RuntimeError(
+            f"cannot deepcopy {type(self).__name__}: its parameters are shards of a model spread "
+            "over ranks. Deepcopy the model before calling fully_shard, or build a new one"
+        )
+
+    def _get_fsdp_state(self) -> FSDPState:
+        return self.__dict__[STATE_ATTR]
+
+    def _groups(self, recurse: bool) -> list[FSDPParamGroup]:
+        return [s.group for s in self._states(recurse) if s.group is not None]
+
+    def _states(self, recurse: bool) -> list[FSDPState]:
+        if not recurse:
+            return [self._get_fsdp_state()]
+        found: list[FSDPState] = []
+        for sub in self.modules():  # type: ignore[attr-defined]
+            state = state_of(sub)
+            if state is not None and state not in found:
+                found.append(state)
+        return found
+
+    # -- explicit control -------------------------------------------------------------------------
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """Gather this module's parameters now; with ``async_op`` return a handle to wait on."""
+        state = self._get_fsdp_state()
+        if state.ctx is None:
+            state._lazy_init()
+        group = state.group
+        if group is not None:
+            group.unshard()
+        handle = UnshardHandle(group)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free this module's gathered parameters and register the sharded ones."""
+        for group in self._groups(recurse=False):
+            group.reshard()
+
+    def reset_iter_state(self) -> None:
+        """After forward or backward raised: drop that iteration's collectives, gradients and
+        gathered parameters so the next iteration runs cleanly. Call it on the root."""
+        state = self._get_fsdp_state()
+        if state.ctx is None:
+            return  # never ran: nothing to reset
+        if not state.is_root:
+            raise RuntimeError(
+                f"reset_iter_state() was called on {type(self).__name__} ({state.fqn}), which is "
+                "not the root fsdp2 module; call it on the module you run forward on"
+            )
+        state.ctx.reset()
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Gather these modules' parameters when this module's forward starts (replacing the
+        recorded-order prefetch)."""
+        self._get_fsdp_state().forward_prefetch = _groups_of(modules, "forward")
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Gather these modules' parameters when this module's backward starts."""
+        self._get_fsdp_state().backward_prefetch = _groups_of(modules, "backward")
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """``False`` for modules whose backward needs none of their parameters."""
+        for group in self._groups(recurse=False):
+            group.unshard_in_backward = unshard_in_backward
+
+    # -- when to free -----------------------------------------------------------------------------
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Whether to free gathered parameters after forward."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(
+                f"set_reshard_after_forward expects a bool, got {reshard_after_forward!r}"
+            )
+        for state in self._states(recurse):
+            state.requested_reshard_after_forward = reshard_after_forward
+            state.reshard_after_forward = reshard_after_forward
+            if state.group is not None:
+                state.group.partial_group = None  # a bool replaces reshard_after_forward=k
+
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
+        """Whether to free gathered parameters after backward (``False`` keeps them gathered
+        across gradient-accumulation micro-steps)."""
+        for group in self._groups(recurse):
+            group.reshard_after_backward = reshard_after_backward
+
+    # -- gradient reduction -----------------------------------------------------------------------
+
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
+        """``False``: backward accumulates local, unreduced gradients (no communication) until
+        a backward with ``True`` reduces their sum once."""
+        for group in self._groups(recurse):
+            group.reduce_grads_enabled = requires_gradient_sync
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """``False``: the next backward does not wait for its last reduce-scatters at its end."""
+        state = self._get_fsdp_state()
+        if state.ctx is None:
+            state._lazy_init()
+        assert state.ctx is not None
+        state.ctx.is_last_backward = is_last_backward
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """For HSDP's replicate axis; with a 1-D mesh there is no all-reduce to skip."""
+        for group in self._groups(recurse):
+            group.requires_all_reduce = requires_all_reduce
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide summed gradients by ``factor`` instead of averaging over the ranks."""
+        if not factor > 0:
+            raise ValueError(f"set_gradient_divide_factor expects a positive factor, got {factor}")
+        for group in self._groups(recurse=False):
+            group.divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated name of :meth:`set_gradient_divide_factor`."""
+        warnings.warn(
+            "set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor",
+            FutureWarning,
+            stacklevel=2,
+        )
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Reduce with SUM only and divide afterwards (for backends without AVG)."""
+        for group in self._groups(recurse=False):
+            group.force_sum_reduction = enable
+
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """Reduce zeros for parameters that got no gradient on this rank, so ranks whose
+        control flow differs (MoE routing, optional branches) still issue matching collectives."""
+        for group in self._groups(recurse):
+            group.reduce_scatter_unused = reduce_scatter_unused_params
+
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        """How many reduce-scatters (with their input buffers) may be in flight at once."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(
+                f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}"
+            )
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be at least 1, got {max_input_buffers}")
+        for group in self._groups(recurse):
+            group.max_in_flight = max_input_buffers
+
+    def set_all_reduce_hook(
+        self, hook: Callable[[torch.Tensor], None], *, stream: torch.Stream | None = None
+    ) -> None:
+        """Call ``hook(reduced_shard)`` on each reduced gradient shard, in place, before the
+        gradients are handed out (e.g. a custom all-reduce over another mesh dim)."""
+        del stream  # fsdp2 runs no side streams: the hook runs where the reduction is waited on
+        for group in self._groups(recurse=False):
+            group.all_reduce_hook = hook
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """An event the next forward's first gather waits on (then discarded)."""
+        state = self._get_fsdp_state()
+        if state.ctx is None:
+            state._lazy_init()
+        assert state.ctx is not None
+        state.ctx.post_optim_event = event
+
+    def set_custom_all_gather(self, comm: AllGather) -> None:
+        """Use ``comm`` (its ``allocate`` for the output buffer) for this module's all-gather."""
+        for group in self._groups(recurse=False):
+            group.custom_all_gather = comm
+
+    def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
+        """Use ``comm`` (its ``allocate`` for both buffers) for this module's reduce-scatter."""
+        for group in self._groups(recurse=False):
+            group.custom_reduce_scatter = comm
+
+
+def _groups_of(modules: list[FSDPModule], direction: str) -> list[FSDPParamGroup]:
+    groups = []
+    for mod in modules:
+        if not isinstance(mod, FSDPModule):
+            raise ValueError(
+                f"set_modules_to_{direction}_prefetch expects FSDPModules (modules fully_shard "
+                f"was applied to), got {type(mod).__name__}; apply fully_shard to it first"
+            )
+        group = mod._get_fsdp_state().group
+        if group is not None:
+            groups.append(group)
+    return groups
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``: ``wait()`` finishes the all-gather."""
+
+    def __init__(self, group: FSDPParamGroup | None = None) -> None:
+        self._group = group
+
+    def wait(self) -> None:
+        if self._group is not None:
+            self._group.wait_for_unshard()
+            self._group = None
