@@ -17,8 +17,14 @@ from fsdp2.mesh import MeshInfo, default_mesh, device_of, mesh_info
 from fsdp2.module import STATE_ATTR, FSDPModule, UnshardHandle, state_of
 from fsdp2.param import FSDPParam
 from fsdp2.param_group import FSDPParamGroup
-from fsdp2.policies import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from fsdp2.policies import (
+    CPUOffloadPolicy,
+    DataParallelMeshDims,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+)
 from fsdp2.state import FSDPState
+from fsdp2.state_dict import register_state_dict_hooks
 
 __all__ = [
     "FSDPModule",
@@ -88,27 +94,30 @@ def fully_shard(
     mesh = mesh if mesh is not None else default_mesh()
     info = mesh_info(mesh)
     device = device_of(mesh)
-    label = ",".join(type(m).__name__ for m in modules)
+    label = ", ".join(type(m).__name__ for m in modules)
     slots = _managed_params(modules, ignored_params or set())
     params, fulls = [], []
     for param, (fqn, places) in slots.items():
         _check_device(param, fqn, device, modules)
-        params.append(FSDPParam(param, places, fqn))
-        fulls.append(param.detach().to(device))
-    group = FSDPParamGroup(params, fulls, info, device, label) if params else None
+        params.append(FSDPParam(param, places, fqn, label))
+        fulls.append(param.detach() if param.device.type == "meta" else param.detach().to(device))
+    offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
+    group = (
+        FSDPParamGroup(params, fulls, info, device, label, mp_policy, offload) if params else None
+    )
     del fulls
-    owner = ", ".join(type(m).__name__ for m in modules)
     for fsdp_param in params:
-        fsdp_param.sharded_param._fsdp2_owner = owner  # type: ignore[attr-defined]
         fsdp_param.register(fsdp_param.sharded_param)
     for managed in _managed_modules(modules):
         for name, buf in managed._buffers.items():
             if buf is not None and buf.device != device:
                 managed._buffers[name] = buf.to(device)
     reshard_after_forward = _resolve_reshard_after_forward(reshard_after_forward, info, group)
-    state = FSDPState(modules, group, reshard_after_forward, fqn="")
+    state = FSDPState(modules, group, reshard_after_forward, mp_policy)
     for mod in modules:
         mod.__dict__[STATE_ATTR] = state
+        if group is not None:
+            register_state_dict_hooks(mod, group)
         mod.__class__ = _fsdp_class(type(mod))
     return list(modules) if isinstance(module, list) else modules[0]  # type: ignore[return-value]
 
@@ -170,12 +179,8 @@ def _check_unsupported(
         todo.append("shard_placement_fn")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}")
-    if not mp_policy.is_default:
-        todo.append(f"mp_policy={mp_policy}")
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(f"offload_policy must be an OffloadPolicy, got {offload_policy!r}")
-    if type(offload_policy) is not OffloadPolicy:
-        todo.append(f"offload_policy={offload_policy}")
     if dp_mesh_dims is not None:
         todo.append("dp_mesh_dims")
     if todo:
@@ -233,11 +238,7 @@ def _managed_params(
 def _check_device(
     param: nn.Parameter, fqn: str, device: torch.device, modules: tuple[nn.Module, ...]
 ) -> None:
-    if param.device.type == "meta":
-        raise NotImplementedError(
-            f"{fqn} is on the meta device; meta-device initialisation is not supported yet"
-        )
-    if param.device != device and param.device.type != "cpu":
+    if param.device != device and param.device.type not in ("cpu", "meta"):
         raise ValueError(
             f"{fqn} of {type(modules[0]).__name__} is on {param.device}, but the mesh's device is "
             f"{device}. Move the module to {device} (or to CPU, from where fully_shard moves "
@@ -270,7 +271,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     method = getattr(type(module), method_name)
 
     def with_fsdp_hooks(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        state.pre_forward(args, kwargs)
+        args, kwargs = state.pre_forward(args, kwargs)
         return state.post_forward(method(self, *args, **kwargs))
 
     module.__dict__[method_name] = MethodType(with_fsdp_hooks, module)

@@ -35,7 +35,7 @@ class FSDPModule:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         state: FSDPState = self.__dict__[STATE_ATTR]
-        state.pre_forward(args, kwargs)
+        args, kwargs = state.pre_forward(args, kwargs)
         return state.post_forward(super().__call__(*args, **kwargs))  # type: ignore[misc]
 
     def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
@@ -43,6 +43,17 @@ class FSDPModule:
             f"cannot deepcopy {type(self).__name__}: its parameters are shards of a model spread "
             "over ranks. Deepcopy the model before calling fully_shard, or build a new one"
         )
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> Any:
+        # .to(), .float(), .to_empty() and friends may replace the sharded parameters' tensors:
+        # free any gathered copy first, then re-pack what they became into the group's buffers.
+        groups = self._groups(recurse=False)
+        for group in groups:
+            group.reshard()
+        result = super()._apply(fn, recurse)  # type: ignore[misc]
+        for group in groups:
+            group.rebuild()
+        return result
 
     def _get_fsdp_state(self) -> FSDPState:
         return self.__dict__[STATE_ATTR]

@@ -32,10 +32,14 @@ class ShardedState(Enum):
 class FSDPParam:
     """One managed parameter: its sharded ``DTensor`` parameter and its unsharded stand-in."""
 
-    def __init__(self, param: nn.Parameter, slots: list[tuple[nn.Module, str]], fqn: str) -> None:
+    def __init__(
+        self, param: nn.Parameter, slots: list[tuple[nn.Module, str]], fqn: str, owner: str
+    ) -> None:
         self.fqn = fqn
+        self.owner = owner  # the fully_shard call's modules, named in errors about tied weights
         # Every (module, name) the parameter is registered under: tied weights have several.
         self.slots = [(module._parameters, name) for module, name in slots]
+        self.slot_modules = list(slots)
         self.shape = param.shape
         self.stride = param.stride()
         self.dtype = param.dtype
@@ -46,6 +50,7 @@ class FSDPParam:
         self.sharded_param: nn.Parameter  # DTensor; the optimizer's parameter
         self.unsharded_param: nn.Parameter  # plain tensor viewing the unsharded buffer
         self.grad_node: torch.autograd.graph.Node | None = None  # AccumulateGrad, kept alive
+        self.unreduced: torch.Tensor | None = None  # no-sync gradient sum, in reduce_dtype
 
     def plan(self, info: MeshInfo) -> None:
         """Fix this rank's chunk: ``chunk_numel`` (padded, equal on all ranks) and the real part."""
@@ -54,6 +59,7 @@ class FSDPParam:
             self.placement: Shard | Replicate = Replicate()
             self.chunk_numel = 1
             self.local_shape: tuple[int, ...] = ()
+            self.row_start = 0
             return
         self.placement = Shard(0)
         rows = self.shape[0]
@@ -62,19 +68,27 @@ class FSDPParam:
         local_rows = min(max(rows - rank * chunk_rows, 0), chunk_rows)
         self.chunk_numel = chunk_rows * row_numel
         self.local_shape = (local_rows, *self.shape[1:])
+        self.row_start = min(rank * chunk_rows, rows)
 
     @property
     def local_numel(self) -> int:
         return math.prod(self.local_shape)
 
-    def init_sharded(self, flat: torch.Tensor, info: MeshInfo, full: torch.Tensor) -> None:
-        """Copy this rank's rows of ``full`` into ``flat`` and wrap them as the sharded parameter."""
+    def init_sharded(self, flat: torch.Tensor, info: MeshInfo, full: torch.Tensor | None) -> None:
+        """Make the sharded parameter view its chunk of ``flat``, filled with this rank's rows of
+        ``full``, or (``full=None``) with the current sharded parameter's values."""
         local = flat[self.offset : self.offset + self.local_numel].view(self.local_shape)
-        if full.device.type != "meta":
-            rows = self.chunk_numel // max(math.prod(self.shape[1:]), 1) if self.shape else 0
-            start = info.shard_rank * rows
+        if full is None:
+            owner = getattr(self.sharded_param, "_fsdp2_owner", None) or self.owner
             with torch.no_grad():
-                local.copy_(full if not self.shape else full[start : start + self.local_shape[0]])
+                local.copy_(self.sharded_param._local_tensor)
+            # Keep the Parameter object (optimizers and users hold it); swap what it wraps.
+            self.sharded_param._local_tensor = local
+            self.sharded_param._fsdp2_owner = owner  # type: ignore[attr-defined]
+            return
+        if full.device.type != "meta":
+            with torch.no_grad():
+                local.copy_(self.shard_of(full))
         dtensor = DTensor.from_local(
             local,
             info.mesh,
@@ -84,6 +98,13 @@ class FSDPParam:
             stride=self.stride,
         )
         self.sharded_param = nn.Parameter(dtensor, requires_grad=self.requires_grad)
+        self.sharded_param._fsdp2_owner = self.owner  # type: ignore[attr-defined]
+
+    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a full (global) tensor of this parameter's shape."""
+        if not self.shape:
+            return full
+        return full[self.row_start : self.row_start + self.local_shape[0]]
 
     def init_unsharded(self, unsharded_flat: torch.Tensor, world: int) -> None:
         """View this parameter's (padded) region of the group's param-major unsharded buffer."""

@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from fsdp2.collectives import AllGather, Pending, ReduceScatter, all_gather, reduce_scatter
 from fsdp2.mesh import MeshInfo
 from fsdp2.param import FSDPParam, ShardedState
+from fsdp2.policies import CPUOffloadPolicy, MixedPrecisionPolicy
 
 __all__ = ["FSDPParamGroup", "PendingReduce"]
 
@@ -41,7 +42,7 @@ __all__ = ["FSDPParamGroup", "PendingReduce"]
 class PendingReduce:
     """A reduce-scatter in flight; ``finish()`` waits and returns each parameter's reduced shard."""
 
-    __slots__ = ("after", "keep_alive", "out", "params", "pending")
+    __slots__ = ("after", "device", "dtype", "keep_alive", "out", "params", "pending")
 
     def __init__(
         self,
@@ -50,22 +51,26 @@ class PendingReduce:
         params: list[FSDPParam],
         keep_alive: object,
         after: Callable[[torch.Tensor], None] | None,
+        device: torch.device,
+        dtype: torch.dtype,
     ) -> None:
         self.pending = pending
         self.out = out  # 1-D, this rank's reduced chunk of every parameter in ``params``
         self.params = params
         self.keep_alive = keep_alive  # the collective's input must outlive it
         self.after = after  # scaling and the user's all-reduce hook, run on ``out`` once reduced
+        self.device, self.dtype = device, dtype  # where and how the sharded gradients are kept
 
     def finish(self) -> list[tuple[FSDPParam, torch.Tensor]]:
         self.pending.wait()
         self.keep_alive = None
         if self.after is not None:
             self.after(self.out)
+        out = self.out.to(self.device, self.dtype)  # no-op unless mixed precision or offload
         shards = []
         start = 0
         for fsdp_param in self.params:
-            shards.append((fsdp_param, fsdp_param.local_view(self.out, start)))
+            shards.append((fsdp_param, fsdp_param.local_view(out, start)))
             start += fsdp_param.chunk_numel
         return shards
 
@@ -94,45 +99,33 @@ class FSDPParamGroup:
         info: MeshInfo,
         device: torch.device,
         label: str,
+        mp_policy: MixedPrecisionPolicy | None = None,
+        offload: CPUOffloadPolicy | None = None,
     ) -> None:
         self.info = info
         self.label = label
-        self.world = world = info.shard_size
+        self.world = info.shard_size
         self.state = ShardedState.SHARDED
         order = sorted(range(len(params)), key=lambda i: not params[i].requires_grad)
         self.fsdp_params = [params[i] for i in order]
         self.trainable = [p for p in self.fsdp_params if p.requires_grad]
-        dtype = _common_dtype(self.fsdp_params, label)
+        self.mp_policy = mp_policy or MixedPrecisionPolicy()
+        self._set_dtypes()
+        self.device = device  # where gathers, compute and reductions run
+        self.offload = offload
         offset = 0
         for fsdp_param in self.fsdp_params:
             fsdp_param.plan(info)
             fsdp_param.offset = offset
             offset += fsdp_param.chunk_numel
         self.shard_numel = offset
-        # 1-D, this rank's padded chunk of every parameter; zeros so padding is deterministic.
-        self.sharded_flat = torch.zeros(offset, dtype=dtype, device=device)
-        for i, fsdp_param in zip(order, self.fsdp_params, strict=True):
-            fsdp_param.init_sharded(self.sharded_flat, info, full_tensors[i])
-            fsdp_param.group = self
-        # 1-D, param-major, every parameter padded to world * chunk. With one rank the shard is
-        # the whole parameter, so the unsharded parameters simply view the sharded buffer.
-        self.unsharded_flat = (
-            self.sharded_flat
-            if world == 1
-            else torch.empty(world * offset, dtype=dtype, device=device)
-        )
-        self._copy_out = [
-            self.unsharded_flat[world * p.offset : world * (p.offset + p.chunk_numel)].view(
-                world, p.chunk_numel
-            )
-            for p in self.fsdp_params
-        ]
         self._chunk_sizes = [p.chunk_numel for p in self.fsdp_params]
-        for fsdp_param in self.fsdp_params:
-            fsdp_param.init_unsharded(self.unsharded_flat, world)
-            if fsdp_param.requires_grad:
-                fsdp_param.unsharded_param.register_post_accumulate_grad_hook(self._on_grad_ready)
-        self._free_unsharded()
+        fulls = [full_tensors[i] for i in order]
+        if any(full.device.type == "meta" for full in fulls):
+            storage = torch.device("meta")  # materialised later by to_empty(); see rebuild()
+        else:
+            storage = torch.device("cpu") if offload else device
+        self._build(storage, fulls)
         self._gather: tuple[Pending, torch.Tensor] | None = None
         # reshard_after_forward=k: the k-rank group that gathers in backward, which of the k
         # blocks of W/k consecutive ranks' chunks this rank keeps, and (in PARTIAL) that block.
@@ -159,12 +152,83 @@ class FSDPParamGroup:
         self.max_in_flight = 1  # reduce-scatters (and their input buffers) alive at once
         self.requires_all_reduce = True  # only meaningful with a replicate axis (HSDP)
 
+    def _build(self, storage_device: torch.device, fulls: list[torch.Tensor] | None) -> None:
+        """Allocate the flat buffers on ``storage_device`` and point every parameter into them.
+        ``fulls`` are the full parameters to shard; ``None`` re-packs the current sharded
+        parameters (after ``module.to(...)`` or ``to_empty`` replaced them)."""
+        world = self.world
+        pin = self.offload is not None and self.offload.pin_memory and self.device.type != "cpu"
+        # 1-D, this rank's padded chunk of every parameter; zeros so padding is deterministic.
+        flat = torch.zeros(self.shard_numel, dtype=self.dtype, device=storage_device)
+        self.sharded_flat = flat.pin_memory() if pin else flat
+        for i, fsdp_param in enumerate(self.fsdp_params):
+            full = fulls[i] if fulls is not None else None
+            fsdp_param.init_sharded(self.sharded_flat, self.info, full)
+            fsdp_param.group = self
+        # With one rank and nothing to cast or move, the shard is the whole parameter: the
+        # unsharded parameters view the sharded buffer and "gathering" costs nothing.
+        self.alias = world == 1 and self.param_dtype == self.dtype and storage_device == self.device
+        # 1-D, param-major, every parameter padded to world * chunk.
+        self.unsharded_flat = (
+            self.sharded_flat
+            if self.alias
+            else torch.empty(world * self.shard_numel, dtype=self.param_dtype, device=self.device)
+        )
+        self._copy_out = [
+            self.unsharded_flat[world * p.offset : world * (p.offset + p.chunk_numel)].view(
+                world, p.chunk_numel
+            )
+            for p in self.fsdp_params
+        ]
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.init_unsharded(self.unsharded_flat, world)
+            if fsdp_param.requires_grad:
+                fsdp_param.unsharded_param.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._free_unsharded()
+
+    def _set_dtypes(self) -> None:
+        self.dtype = _common_dtype(self.fsdp_params, self.label)
+        mp = self.mp_policy
+        floating = self.dtype.is_floating_point  # mixed precision leaves other dtypes alone
+        self.param_dtype = (mp.param_dtype if floating else None) or self.dtype
+        self.reduce_dtype = (mp.reduce_dtype if floating else None) or self.param_dtype
+
+    def rebuild(self) -> None:
+        """Re-pack the sharded parameters into fresh buffers if something replaced their tensors
+        (``module.to(...)``, ``to_empty``), adopting their new device and dtype."""
+        flat = self.sharded_flat
+        if (
+            all(
+                p.sharded_param._local_tensor.untyped_storage().data_ptr()
+                == flat.untyped_storage().data_ptr()
+                and p.sharded_param.dtype == flat.dtype
+                for p in self.fsdp_params
+            )
+            and flat.device.type != "meta"
+        ):
+            return
+        self.reshard()
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.dtype = fsdp_param.sharded_param.dtype
+        self._set_dtypes()
+        storage = self.fsdp_params[0].sharded_param._local_tensor.device
+        if self.offload is None:
+            self.device = storage
+        self._build(storage, None)
+
     # -- unshard / reshard -----------------------------------------------------------------------
 
     def unshard(self) -> None:
         """Start gathering the full parameters (no-op if unsharded or already under way)."""
-        if self.state is ShardedState.UNSHARDED or self._gather is not None or self.world == 1:
+        if self.state is ShardedState.UNSHARDED or self._gather is not None or self.alias:
             return
+        if self.sharded_flat.device.type == "meta":
+            names = ", ".join(p.fqn for p in self.fsdp_params)
+            raise RuntimeError(
+                f"fsdp2 module '{self.label}' has parameters on the meta device ({names}). "
+                "Materialise them before forward: module.to_empty(device=...) and then "
+                "module.reset_parameters() (or your own init)"
+            )
         storage = self.unsharded_flat.untyped_storage()
         storage.resize_(self.unsharded_flat.numel() * self.unsharded_flat.element_size())
         comm = self.custom_all_gather
@@ -178,7 +242,12 @@ class FSDPParamGroup:
         if self._partial is not None:
             source, group = self._partial, self.partial_group
         else:
-            source, group = self.sharded_flat, self.info.shard_group
+            # One cast/copy of the whole shard: to param_dtype, and to the device if offloaded.
+            source = self.sharded_flat.to(self.device, self.param_dtype, non_blocking=True)
+            group = self.info.shard_group
+        if self.world == 1:  # nothing to gather, only the cast or copy above
+            self._gather = (Pending(None), source)
+            return
         assert group is not None
         self._gather = (all_gather(out, source, group, self.label, comm), out)
 
@@ -230,7 +299,7 @@ class FSDPParamGroup:
         self.state = ShardedState.PARTIAL
 
     def _free_unsharded(self) -> None:
-        if self.world > 1:
+        if not self.alias and self.unsharded_flat.device.type != "meta":
             self.unsharded_flat.untyped_storage().resize_(0)
 
     @property
@@ -239,9 +308,7 @@ class FSDPParamGroup:
 
     def unsharded_nbytes(self) -> int:
         """Bytes held by unsharded parameters now (0 when resharded; shared with the shard at W=1)."""
-        if self.world == 1:
-            return 0
-        return self.unsharded_flat.untyped_storage().nbytes()
+        return 0 if self.alias else self.unsharded_flat.untyped_storage().nbytes()
 
     # -- gradients --------------------------------------------------------------------------------
 
@@ -260,11 +327,14 @@ class FSDPParamGroup:
             self.on_grads_ready()
 
     def has_unreduced_grads(self) -> bool:
-        return any(p.unsharded_param.grad is not None for p in self.trainable)
+        return any(
+            p.unsharded_param.grad is not None or p.unreduced is not None for p in self.trainable
+        )
 
     def drop_unreduced_grads(self) -> None:
         for fsdp_param in self.trainable:
             fsdp_param.unsharded_param.grad = None
+            fsdp_param.unreduced = None
 
     def reduce_grads(self) -> PendingReduce | None:
         """Take the unsharded gradients and start their reduce-scatter; ``None`` if there are none."""
@@ -273,31 +343,57 @@ class FSDPParamGroup:
         if self.reduce_scatter_unused:
             params = self.trainable
         else:
-            params = [p for p in self.trainable if p.unsharded_param.grad is not None]
+            params = [
+                p
+                for p in self.trainable
+                if p.unsharded_param.grad is not None or p.unreduced is not None
+            ]
         if not params:
             return None
         grads = [self._take_grad(p) for p in params]
         after = self._after_reduce()
+        storage = self.sharded_flat.device
         if self.world == 1:
             out = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0]
-            return PendingReduce(Pending(None), out.reshape(-1), params, None, after)
+            out = out.reshape(-1).to(self.reduce_dtype)
+            return PendingReduce(Pending(None), out, params, None, after, storage, self.dtype)
         numel = sum(p.chunk_numel for p in params)
         comm = self.custom_reduce_scatter
+        size, dtype, device = (self.world, numel), self.reduce_dtype, self.device
         if comm is not None:
-            inp = comm.allocate((self.world, numel), dtype=grads[0].dtype, device=grads[0].device)
-            out = comm.allocate((numel,), dtype=grads[0].dtype, device=grads[0].device)
+            inp = comm.allocate(size, dtype=dtype, device=device)
+            out = comm.allocate((numel,), dtype=dtype, device=device)
         else:
-            inp = grads[0].new_empty(self.world, numel)
+            inp = torch.empty(size, dtype=dtype, device=device)
             out = inp.new_empty(numel)
-        torch._chunk_cat(grads, dim=0, num_chunks=self.world, out=inp)
+        torch._chunk_cat(grads, dim=0, num_chunks=self.world, out=inp)  # casts to reduce_dtype
         op = dist.ReduceOp.SUM if after is not None else dist.ReduceOp.AVG
         pending = reduce_scatter(out, inp.view(-1), self.info.shard_group, self.label, op, comm)
-        return PendingReduce(pending, out, params, inp, after)
+        return PendingReduce(pending, out, params, inp, after, storage, self.dtype)
+
+    def stash_grads(self) -> None:
+        """Without gradient sync: move this backward's gradients onto the running unreduced sum,
+        kept in ``reduce_dtype`` so low-precision micro-steps don't lose bits."""
+        if self.reduce_dtype == self.param_dtype:
+            return  # autograd keeps accumulating into the unsharded .grad, already the dtype
+        for fsdp_param in self.trainable:
+            unsharded = fsdp_param.unsharded_param
+            if unsharded.grad is None:
+                continue
+            grad = unsharded.grad.to(self.reduce_dtype)
+            unsharded.grad = None
+            if fsdp_param.unreduced is None:
+                fsdp_param.unreduced = grad
+            else:
+                fsdp_param.unreduced += grad
 
     def _take_grad(self, fsdp_param: FSDPParam) -> torch.Tensor:
         unsharded = fsdp_param.unsharded_param
         grad = unsharded.grad
         unsharded.grad = None
+        if fsdp_param.unreduced is not None:  # the sum of earlier micro-steps without sync
+            grad = fsdp_param.unreduced if grad is None else fsdp_param.unreduced.add_(grad)
+            fsdp_param.unreduced = None
         if grad is None:  # unused here, but other ranks may have used it
             grad = torch.zeros_like(unsharded)
         # A scalar is replicated: every rank's chunk carries it, so each gets the reduced value.

@@ -24,10 +24,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from fsdp2.param import FSDPParam
 from fsdp2.param_group import FSDPParamGroup, PendingReduce, accumulate_grad
+from fsdp2.policies import MixedPrecisionPolicy
 
 __all__ = ["FSDPState", "IterContext", "TrainingState"]
 
@@ -158,11 +159,14 @@ class FSDPState:
         modules: tuple[nn.Module, ...],
         group: FSDPParamGroup | None,
         reshard_after_forward: bool | None,
-        fqn: str,
+        mp_policy: MixedPrecisionPolicy,
     ) -> None:
         self.modules = modules
         self.group = group
-        self.fqn = fqn
+        self.fqn = ""  # set at lazy init, when the root's module tree names it
+        # Floating inputs are cast to this dtype, outputs to output_dtype (None: leave alone).
+        self.input_dtype = mp_policy.param_dtype if mp_policy.cast_forward_inputs else None
+        self.output_dtype = mp_policy.output_dtype
         # None: decided at lazy init (the root keeps its parameters, others reshard).
         self.requested_reshard_after_forward = reshard_after_forward
         self.reshard_after_forward = bool(reshard_after_forward)
@@ -199,18 +203,22 @@ class FSDPState:
 
     # -- forward ----------------------------------------------------------------------------------
 
-    def pre_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def pre_forward(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if self.ctx is None:
             self._lazy_init()
+        if self.input_dtype is not None:
+            args, kwargs = _cast_floats((args, kwargs), self.input_dtype)
         if self.training_state is TrainingState.PRE_BACKWARD:
-            return  # forward recomputed inside backward (activation checkpointing)
+            return args, kwargs  # forward recomputed inside backward (activation checkpointing)
         ctx = self.ctx
         assert ctx is not None
         if self.is_root:
             ctx.start_forward()
         group = self.group
         if group is None:
-            return
+            return args, kwargs
         _trace("pre_forward", self.fqn)
         self.training_state = TrainingState.FORWARD
         group.wait_for_unshard()
@@ -220,8 +228,11 @@ class FSDPState:
                 target.unshard()
         elif following is not None:
             following.unshard()
+        return args, kwargs
 
     def post_forward(self, output: Any) -> Any:
+        if self.output_dtype is not None:
+            output = _cast_floats(output, self.output_dtype)
         if self.training_state is TrainingState.PRE_BACKWARD:
             return output
         group = self.group
@@ -288,6 +299,8 @@ class FSDPState:
         ctx.queue_end_of_backward()
         if group.reduce_grads_enabled:
             ctx.add_reduce(group.reduce_grads(), group.max_in_flight)
+        else:
+            group.stash_grads()
         if group.reshard_after_backward:
             group.reshard()
         self.training_state = TrainingState.POST_BACKWARD
@@ -296,3 +309,16 @@ class FSDPState:
         sharded = self.group.state.name if self.group is not None else "no params"
         role = "root" if self.is_root else "child"
         return f"FSDPState({self.fqn or '<root>'}, {role}, {self.training_state.name}, {sharded})"
+
+
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    """``tree`` with every floating-point tensor cast to ``dtype`` (others untouched)."""
+
+    def cast(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dtype != dtype:
+            return leaf.to(dtype)
+        return leaf
+
+    if isinstance(tree, torch.Tensor):
+        return cast(tree)
+    return tree_map(cast, tree)
