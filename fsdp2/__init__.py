@@ -5,6 +5,7 @@ from fsdp2.api import (
     UnshardHandle,
     fully_shard,
     register_fsdp_forward_method,
+    replicate,
     share_comm_ctx,
 )
 from fsdp2.policies import (
@@ -23,6 +24,7 @@ __all__ = [
     "UnshardHandle",
     "fully_shard",
     "register_fsdp_forward_method",
+    "replicate",
     "share_comm_ctx",
 ]
 

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fsdp2.mesh import MeshInfo, default_mesh, device_of, mesh_info
-from fsdp2.module import STATE_ATTR, FSDPModule, UnshardHandle, state_of
+from fsdp2.module import STATE_ATTR, FSDPModule, ReplicateModule, UnshardHandle, state_of
 from fsdp2.param import FSDPParam
 from fsdp2.param_group import FSDPParamGroup
 from fsdp2.policies import (
@@ -31,6 +31,7 @@ __all__ = [
     "UnshardHandle",
     "fully_shard",
     "register_fsdp_forward_method",
+    "replicate",
     "share_comm_ctx",
 ]
 
@@ -88,12 +89,45 @@ def fully_shard(
     """
     modules = tuple(module) if isinstance(module, list) else (module,)
     _check_modules(modules)
-    _check_unsupported(
-        reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, dp_mesh_dims
-    )
+    _check_unsupported(shard_placement_fn, mp_policy, offload_policy)
     mesh = mesh if mesh is not None else default_mesh()
-    info = mesh_info(mesh)
-    device = device_of(mesh)
+    info = mesh_info(mesh, dp_mesh_dims)
+    _apply(modules, info, reshard_after_forward, mp_policy, offload_policy, ignored_params)
+    return list(modules) if isinstance(module, list) else modules[0]  # type: ignore[return-value]
+
+
+def replicate(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (frozen)
+    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008
+    ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
+) -> ReplicateModule | list[ReplicateModule]:
+    """Data parallelism without sharding (DDP semantics) on fsdp2's runtime: every rank keeps
+    whole parameters (``Replicate()`` DTensors) and gradients are all-reduced, one collective
+    per call, after its backward. Same bottom-up usage as ``fully_shard``."""
+    modules = tuple(module) if isinstance(module, list) else (module,)
+    _check_modules(modules)
+    _check_unsupported(None, mp_policy, offload_policy)
+    mesh = mesh if mesh is not None else default_mesh()
+    info = mesh_info(mesh, dp_mesh_dims, replicate_only=True)
+    _apply(modules, info, False, mp_policy, offload_policy, ignored_params, ReplicateModule)
+    return list(modules) if isinstance(module, list) else modules[0]  # type: ignore[return-value]
+
+
+def _apply(
+    modules: tuple[nn.Module, ...],
+    info: MeshInfo,
+    reshard_after_forward: bool | int | None,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy,
+    ignored_params: set[nn.Parameter] | None,
+    kind: type[FSDPModule] = FSDPModule,
+) -> None:
+    """Shard ``modules``' unclaimed parameters into one group and install the runtime."""
+    device = device_of(info.mesh)
     label = ", ".join(type(m).__name__ for m in modules)
     slots = _managed_params(modules, ignored_params or set())
     params, fulls = [], []
@@ -114,12 +148,12 @@ def fully_shard(
                 managed._buffers[name] = buf.to(device)
     reshard_after_forward = _resolve_reshard_after_forward(reshard_after_forward, info, group)
     state = FSDPState(modules, group, reshard_after_forward, mp_policy)
+    prefix = "FSDP" if kind is FSDPModule else kind.__name__.removesuffix("Module")
     for mod in modules:
         mod.__dict__[STATE_ATTR] = state
         if group is not None:
             register_state_dict_hooks(mod, group)
-        mod.__class__ = _fsdp_class(type(mod))
-    return list(modules) if isinstance(module, list) else modules[0]  # type: ignore[return-value]
+        mod.__class__ = _wrapped_class(type(mod), kind, prefix)
 
 
 def _resolve_reshard_after_forward(
@@ -138,11 +172,19 @@ def _resolve_reshard_after_forward(
         )
     if value in (1, world):
         return value == world
-    ranks = dist.get_process_group_ranks(info.shard_group)
-    for start in range(0, world, value):  # every rank creates every group, in the same order
-        pg = dist.new_group(ranks[start : start + value])
-        if start <= info.shard_rank < start + value and group is not None:
-            group.partial_group = pg
+    mesh = info.mesh
+    if mesh.mesh.numel() != dist.get_world_size() or info.shard_axis is None:
+        raise NotImplementedError(
+            f"reshard_after_forward={value} needs a mesh over all {dist.get_world_size()} ranks "
+            f"(got one of {mesh.mesh.numel()}): every rank must create every k-rank group"
+        )
+    # Every rank creates every group, in the same order: all shard rows of the mesh, cut in k.
+    rows = mesh.mesh.movedim(info.shard_axis, -1).reshape(-1, world).tolist()
+    for row in rows:
+        for start in range(0, world, value):
+            pg = dist.new_group(row[start : start + value])
+            if dist.get_rank() in row[start : start + value] and group is not None:
+                group.partial_group = pg
     if group is not None:
         block = info.shard_rank % value
         group.partial_rows = (block * world // value, (block + 1) * world // value)
@@ -168,11 +210,7 @@ def _check_modules(modules: tuple[nn.Module, ...]) -> None:
 
 
 def _check_unsupported(
-    reshard_after_forward: bool | int | None,
-    shard_placement_fn: object,
-    mp_policy: MixedPrecisionPolicy,
-    offload_policy: OffloadPolicy,
-    dp_mesh_dims: object,
+    shard_placement_fn: object, mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy
 ) -> None:
     todo = []
     if shard_placement_fn is not None:
@@ -181,8 +219,6 @@ def _check_unsupported(
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}")
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(f"offload_policy must be an OffloadPolicy, got {offload_policy!r}")
-    if dp_mesh_dims is not None:
-        todo.append("dp_mesh_dims")
     if todo:
         raise NotImplementedError(f"fsdp2.fully_shard does not support yet: {', '.join(todo)}")
 
@@ -246,14 +282,14 @@ def _check_device(
         )
 
 
-_fsdp_classes: dict[type, type] = {}
+_wrapped_classes: dict[tuple[type, type], type] = {}
 
 
-def _fsdp_class(cls: type) -> type:
+def _wrapped_class(cls: type, kind: type, prefix: str) -> type:
     """``FSDP<Name>``: ``FSDPModule`` first in the MRO, so its methods and ``__call__`` win."""
-    if cls not in _fsdp_classes:
-        _fsdp_classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
-    return _fsdp_classes[cls]
+    if (cls, kind) not in _wrapped_classes:
+        _wrapped_classes[cls, kind] = type(f"{prefix}{cls.__name__}", (kind, cls), {})
+    return _wrapped_classes[cls, kind]
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

@@ -22,6 +22,7 @@ __all__ = [
     "Pending",
     "ReduceScatter",
     "all_gather",
+    "all_reduce",
     "record_collectives",
     "reduce_scatter",
 ]
@@ -146,3 +147,12 @@ def reduce_scatter(
     if comm is not None:
         return Pending(comm(out, inp, group, op, async_op=True))
     return Pending(_reduce_scatter_single(out, inp, op=op, group=group, async_op=True))
+
+
+def all_reduce(
+    tensor: torch.Tensor, group: dist.ProcessGroup, label: str, op: dist.ReduceOp.RedOpType
+) -> Pending:
+    """Reduce ``tensor`` in place over ``group`` (HSDP's replicas, replicate-only training)."""
+    if _recorders:
+        _record("all_reduce", label, tensor, tensor, group.size())
+    return Pending(dist.all_reduce(tensor, op=op, group=group, async_op=True))

@@ -1,4 +1,11 @@
-"""Which ranks a group shards over, and the device that its collectives run on."""
+"""Which ranks a group shards and replicates over, and the device its collectives run on.
+
+Three layouts share one runtime. FSDP: a 1-D mesh, parameters ``Shard(0)`` over it. HSDP: a 2-D
+mesh (replicate, shard), parameters ``(Replicate(), Shard(0))``; gradients are reduce-scattered
+over the shard axis, then all-reduced over the replicate axis. Replicate-only (DDP semantics):
+no shard axis, i.e. a shard "group" of one rank, gradients all-reduced. ``dp_mesh_dims`` names
+the axes on a larger mesh whose other axes (e.g. tensor parallel) fsdp2 leaves alone.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Placement, Replicate
+
+from fsdp2.policies import DataParallelMeshDims
 
 __all__ = ["MeshInfo", "default_mesh", "device_of", "mesh_info"]
 
@@ -15,10 +25,21 @@ __all__ = ["MeshInfo", "default_mesh", "device_of", "mesh_info"]
 class MeshInfo:
     """The data-parallel view of a ``DeviceMesh`` as the runtime needs it, computed once."""
 
-    mesh: DeviceMesh
-    shard_group: dist.ProcessGroup
-    shard_size: int  # ranks that split each parameter
+    mesh: DeviceMesh  # the mesh the sharded DTensors live on
+    shard_axis: int | None  # mesh dim that splits parameters (None: replicate-only)
+    replicate_axis: int | None  # mesh dim that holds replicas (None: plain FSDP)
+    shard_group: dist.ProcessGroup | None
+    shard_size: int  # ranks that split each parameter (1 without a shard axis)
     shard_rank: int  # this rank's index among them
+    replicate_group: dist.ProcessGroup | None
+    replicate_size: int
+
+    def placements(self, on_shard_axis: Placement) -> tuple[Placement, ...]:
+        """Placements over every mesh dim: ``on_shard_axis`` there, ``Replicate()`` elsewhere."""
+        placements: list[Placement] = [Replicate()] * self.mesh.ndim
+        if self.shard_axis is not None:
+            placements[self.shard_axis] = on_shard_axis
+        return tuple(placements)
 
 
 def default_mesh() -> DeviceMesh:
@@ -42,22 +63,66 @@ def device_of(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type, index)
 
 
-def mesh_info(mesh: DeviceMesh) -> MeshInfo:
+def mesh_info(
+    mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims | None = None, replicate_only: bool = False
+) -> MeshInfo:
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard expects mesh to be a DeviceMesh, got {type(mesh).__name__}")
-    if mesh.ndim != 1:
-        if mesh.ndim == 2:
-            raise NotImplementedError(
-                "fully_shard(mesh=<2-D mesh>) (HSDP) is not supported yet; pass a 1-D mesh"
+    if replicate_only and dp_mesh_dims is None:
+        if mesh.ndim != 1:
+            raise ValueError(
+                f"replicate expects a 1-D mesh, got a {mesh.ndim}-D mesh of shape "
+                f"{tuple(mesh.shape)}; name its data-parallel dim with "
+                "dp_mesh_dims=DataParallelMeshDims(replicate=...)"
             )
+        shard_axis, replicate_axis = None, 0
+    elif dp_mesh_dims is not None:
+        shard_axis = _axis_of(mesh, dp_mesh_dims.shard_names, "shard")
+        replicate_axis = _axis_of(mesh, dp_mesh_dims.replicate_names, "replicate")
+    elif mesh.ndim == 1:
+        shard_axis, replicate_axis = 0, None
+    elif mesh.ndim == 2:
+        shard_axis, replicate_axis = 1, 0
+    else:
         raise ValueError(
-            f"fully_shard expects a 1-D mesh (FSDP) or a 2-D mesh (HSDP), got a {mesh.ndim}-D "
-            f"mesh of shape {tuple(mesh.shape)}; pass a 1-D or 2-D mesh, or name the "
-            "data-parallel dims with dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...)"
+            f"fully_shard expects a 1-D mesh (FSDP) or a 2-D mesh (HSDP: replicate, shard), got "
+            f"a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}. Pass mesh['dp'] (or a 2-D "
+            "slice), or name the data-parallel dims of the full mesh with "
+            "dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...)"
+        )
+    if replicate_only and shard_axis is not None:
+        raise ValueError(
+            "replicate() takes replicate-only dims; dp_mesh_dims names a shard dim "
+            f"({dp_mesh_dims}). Use fully_shard() to shard"
         )
     return MeshInfo(
         mesh=mesh,
-        shard_group=mesh.get_group(),
-        shard_size=mesh.size(),
-        shard_rank=mesh.get_local_rank(),
+        shard_axis=shard_axis,
+        replicate_axis=replicate_axis,
+        shard_group=mesh.get_group(shard_axis) if shard_axis is not None else None,
+        shard_size=mesh.size(shard_axis) if shard_axis is not None else 1,
+        shard_rank=mesh.get_local_rank(shard_axis) if shard_axis is not None else 0,
+        replicate_group=mesh.get_group(replicate_axis) if replicate_axis is not None else None,
+        replicate_size=mesh.size(replicate_axis) if replicate_axis is not None else 1,
     )
+
+
+def _axis_of(mesh: DeviceMesh, names: tuple[str, ...], role: str) -> int | None:
+    if not names:
+        return None
+    dims = mesh.mesh_dim_names
+    if dims is None:
+        raise ValueError(
+            f"dp_mesh_dims names mesh dims ({role}={names}), but the mesh has no dim names. "
+            "Build it with init_device_mesh(..., mesh_dim_names=(...))"
+        )
+    if len(names) != 1:
+        raise NotImplementedError(
+            f"dp_mesh_dims {role}={names}: flattening several mesh dims into one is not "
+            "supported yet; flatten them first (mesh[names]._flatten()) and name the result"
+        )
+    if names[0] not in dims:
+        raise ValueError(
+            f"dp_mesh_dims {role}={names[0]!r} is not a dim of the mesh; its dims are {dims}"
+        )
+    return dims.index(names[0])

@@ -13,7 +13,7 @@ from fsdp2.collectives import AllGather, ReduceScatter
 from fsdp2.param_group import FSDPParamGroup
 from fsdp2.state import FSDPState
 
-__all__ = ["STATE_ATTR", "FSDPModule", "UnshardHandle", "state_of"]
+__all__ = ["STATE_ATTR", "FSDPModule", "ReplicateModule", "UnshardHandle", "state_of"]
 
 STATE_ATTR = "_fsdp2_state"
 
@@ -28,7 +28,7 @@ class FSDPModule:
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # Containers build new instances of their own class (e.g. slicing nn.Sequential): those
         # hold no fsdp2 state, so they get the original class.
-        plain = cls.__mro__[2]
+        plain = next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
         obj = plain.__new__(plain)
         obj.__init__(*args, **kwargs)
         return obj
@@ -246,6 +246,10 @@ def _groups_of(modules: list[FSDPModule], direction: str) -> list[FSDPParamGroup
         if group is not None:
             groups.append(group)
     return groups
+
+
+class ReplicateModule(FSDPModule):
+    """Mixed into every module ``replicate`` was applied to (as ``Replicate<OriginalClass>``)."""
 
 
 class UnshardHandle:

@@ -92,7 +92,7 @@ class FSDPParam:
         dtensor = DTensor.from_local(
             local,
             info.mesh,
-            (self.placement,),
+            info.placements(self.placement),
             run_check=False,
             shape=self.shape,
             stride=self.stride,

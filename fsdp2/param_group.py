@@ -31,7 +31,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from fsdp2.collectives import AllGather, Pending, ReduceScatter, all_gather, reduce_scatter
+from fsdp2.collectives import (
+    AllGather,
+    Pending,
+    ReduceScatter,
+    all_gather,
+    all_reduce,
+    reduce_scatter,
+)
 from fsdp2.mesh import MeshInfo
 from fsdp2.param import FSDPParam, ShardedState
 from fsdp2.policies import CPUOffloadPolicy, MixedPrecisionPolicy
@@ -42,37 +49,28 @@ __all__ = ["FSDPParamGroup", "PendingReduce"]
 class PendingReduce:
     """A reduce-scatter in flight; ``finish()`` waits and returns each parameter's reduced shard."""
 
-    __slots__ = ("after", "device", "dtype", "keep_alive", "out", "params", "pending")
+    __slots__ = ("group", "keep_alive", "out", "params", "pending", "use_sum")
 
     def __init__(
         self,
+        group: FSDPParamGroup,
         pending: Pending,
         out: torch.Tensor,
         params: list[FSDPParam],
         keep_alive: object,
-        after: Callable[[torch.Tensor], None] | None,
-        device: torch.device,
-        dtype: torch.dtype,
+        use_sum: bool,
     ) -> None:
+        self.group = group
         self.pending = pending
         self.out = out  # 1-D, this rank's reduced chunk of every parameter in ``params``
         self.params = params
         self.keep_alive = keep_alive  # the collective's input must outlive it
-        self.after = after  # scaling and the user's all-reduce hook, run on ``out`` once reduced
-        self.device, self.dtype = device, dtype  # where and how the sharded gradients are kept
+        self.use_sum = use_sum  # summed, not averaged: the division is still to do
 
     def finish(self) -> list[tuple[FSDPParam, torch.Tensor]]:
         self.pending.wait()
         self.keep_alive = None
-        if self.after is not None:
-            self.after(self.out)
-        out = self.out.to(self.device, self.dtype)  # no-op unless mixed precision or offload
-        shards = []
-        start = 0
-        for fsdp_param in self.params:
-            shards.append((fsdp_param, fsdp_param.local_view(out, start)))
-            start += fsdp_param.chunk_numel
-        return shards
+        return self.group.finish_reduce(self.out, self.params, self.use_sum)
 
 
 def accumulate_grad(fsdp_param: FSDPParam, local: torch.Tensor) -> None:
@@ -151,6 +149,7 @@ class FSDPParamGroup:
         self.custom_reduce_scatter: ReduceScatter | None = None
         self.max_in_flight = 1  # reduce-scatters (and their input buffers) alive at once
         self.requires_all_reduce = True  # only meaningful with a replicate axis (HSDP)
+        self._replica_partial: torch.Tensor | None = None  # reduced, not yet all-reduced
 
     def _build(self, storage_device: torch.device, fulls: list[torch.Tensor] | None) -> None:
         """Allocate the flat buffers on ``storage_device`` and point every parameter into them.
@@ -332,6 +331,7 @@ class FSDPParamGroup:
         )
 
     def drop_unreduced_grads(self) -> None:
+        self._replica_partial = None
         for fsdp_param in self.trainable:
             fsdp_param.unsharded_param.grad = None
             fsdp_param.unreduced = None
@@ -340,7 +340,11 @@ class FSDPParamGroup:
         """Take the unsharded gradients and start their reduce-scatter; ``None`` if there are none."""
         self._task = -1
         self.reduced_in_backward = True
-        if self.reduce_scatter_unused:
+        replicated = self.info.replicate_group is not None
+        deferring = replicated and (
+            not self.requires_all_reduce or self._replica_partial is not None
+        )
+        if self.reduce_scatter_unused or deferring:  # a fixed layout: ranks and steps agree
             params = self.trainable
         else:
             params = [
@@ -351,12 +355,11 @@ class FSDPParamGroup:
         if not params:
             return None
         grads = [self._take_grad(p) for p in params]
-        after = self._after_reduce()
-        storage = self.sharded_flat.device
+        use_sum = self.divide_factor is not None or self.force_sum_reduction
         if self.world == 1:
             out = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0]
             out = out.reshape(-1).to(self.reduce_dtype)
-            return PendingReduce(Pending(None), out, params, None, after, storage, self.dtype)
+            return PendingReduce(self, Pending(None), out, params, None, use_sum)
         numel = sum(p.chunk_numel for p in params)
         comm = self.custom_reduce_scatter
         size, dtype, device = (self.world, numel), self.reduce_dtype, self.device
@@ -367,9 +370,10 @@ class FSDPParamGroup:
             inp = torch.empty(size, dtype=dtype, device=device)
             out = inp.new_empty(numel)
         torch._chunk_cat(grads, dim=0, num_chunks=self.world, out=inp)  # casts to reduce_dtype
-        op = dist.ReduceOp.SUM if after is not None else dist.ReduceOp.AVG
+        op = dist.ReduceOp.SUM if use_sum else dist.ReduceOp.AVG
+        assert self.info.shard_group is not None
         pending = reduce_scatter(out, inp.view(-1), self.info.shard_group, self.label, op, comm)
-        return PendingReduce(pending, out, params, inp, after, storage, self.dtype)
+        return PendingReduce(self, pending, out, params, inp, use_sum)
 
     def stash_grads(self) -> None:
         """Without gradient sync: move this backward's gradients onto the running unreduced sum,
@@ -399,23 +403,34 @@ class FSDPParamGroup:
         # A scalar is replicated: every rank's chunk carries it, so each gets the reduced value.
         return grad.reshape(1).expand(self.world) if grad.dim() == 0 else grad
 
-    def _after_reduce(self) -> Callable[[torch.Tensor], None] | None:
-        """What runs on the reduced shard: the division when not averaging in the collective
-        (a custom factor, or sums forced), then the user's hook. ``None`` when nothing does."""
-        factor = self.divide_factor
-        if factor is None and (self.force_sum_reduction or self.world == 1):
-            factor = float(self.world)
-        hook = self.all_reduce_hook
-        if factor is None and hook is None:
-            return None
-
-        def after(out: torch.Tensor) -> None:
-            if factor is not None and factor != 1.0:
+    def finish_reduce(
+        self, out: torch.Tensor, params: list[FSDPParam], use_sum: bool
+    ) -> list[tuple[FSDPParam, torch.Tensor]]:
+        """After the reduce-scatter: all-reduce over replicas (HSDP), divide, run the user's
+        hook, cast to the parameters' dtype and device, and cut ``out`` into their shards."""
+        info = self.info
+        if info.replicate_group is not None:
+            if self._replica_partial is not None:  # micro-steps whose all-reduce was deferred
+                out = out.add_(self._replica_partial)
+                self._replica_partial = None
+            if not self.requires_all_reduce:
+                self._replica_partial = out
+                return []
+            op = dist.ReduceOp.SUM if use_sum else dist.ReduceOp.AVG
+            all_reduce(out, info.replicate_group, self.label, op).wait()
+        if use_sum:
+            factor = self.divide_factor or float(info.shard_size * info.replicate_size)
+            if factor != 1.0:
                 out.div_(factor)
-            if hook is not None:
-                hook(out)
-
-        return after
+        if self.all_reduce_hook is not None:
+            self.all_reduce_hook(out)
+        out = out.to(self.sharded_flat.device, self.dtype)  # no-op without mp or offload
+        shards = []
+        start = 0
+        for fsdp_param in params:
+            shards.append((fsdp_param, fsdp_param.local_view(out, start)))
+            start += fsdp_param.chunk_numel
+        return shards
 
     def __repr__(self) -> str:
         return f"FSDPParamGroup({self.label!r}, {self.state.name}, {len(self.fsdp_params)} params)"
