@@ -134,7 +134,8 @@ def _apply(
     for param, (fqn, places) in slots.items():
         _check_device(param, fqn, device, modules)
         params.append(FSDPParam(param, places, fqn, label))
-        fulls.append(param.detach() if param.device.type == "meta" else param.detach().to(device))
+        full = param._local_tensor if isinstance(param, DTensor) else param  # TP: local piece
+        fulls.append(full.detach() if full.device.type == "meta" else full.detach().to(device))
     offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
     group = (
         FSDPParamGroup(params, fulls, info, device, label, mp_policy, offload) if params else None
@@ -144,7 +145,8 @@ def _apply(
         fsdp_param.register(fsdp_param.sharded_param)
     for managed in _managed_modules(modules):
         for name, buf in managed._buffers.items():
-            if buf is not None and buf.device != device:
+            # A meta buffer has no data to move: to_empty() materialises it with the parameters.
+            if buf is not None and buf.device != device and buf.device.type != "meta":
                 managed._buffers[name] = buf.to(device)
     reshard_after_forward = _resolve_reshard_after_forward(reshard_after_forward, info, group)
     state = FSDPState(modules, group, reshard_after_forward, mp_policy)
@@ -172,6 +174,11 @@ def _resolve_reshard_after_forward(
         )
     if value in (1, world):
         return value == world
+    if group is not None and any(p.outer_spec is not None for p in group.fsdp_params):
+        raise NotImplementedError(
+            f"reshard_after_forward={value} with tensor-parallel (DTensor) parameters is not "
+            "supported; use True or False for modules whose parameters are DTensors"
+        )
     mesh = info.mesh
     if mesh.mesh.numel() != dist.get_world_size() or info.shard_axis is None:
         raise NotImplementedError(
@@ -260,11 +267,6 @@ def _managed_params(
                     f"{fqn} (in {type(mod).__name__}) is already sharded by the fully_shard call "
                     f"on {owner}: a tied weight cannot live in two groups. Group the modules "
                     "that share it in one call, e.g. fully_shard([embedding, lm_head])"
-                )
-            if isinstance(param, DTensor):
-                raise NotImplementedError(
-                    f"{fqn} is already a DTensor; fully_shard over tensor-parallel parameters "
-                    "is not supported yet"
                 )
             entry = out.setdefault(param, (fqn, []))
             entry[1].append((mod, name))

@@ -14,11 +14,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Placement, Replicate
+from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdp2.policies import DataParallelMeshDims
 
-__all__ = ["MeshInfo", "default_mesh", "device_of", "mesh_info"]
+__all__ = ["MeshInfo", "default_mesh", "device_of", "mesh_info", "sharded_layout"]
 
 
 @dataclass(frozen=True)
@@ -126,3 +128,47 @@ def _axis_of(mesh: DeviceMesh, names: tuple[str, ...], role: str) -> int | None:
             f"dp_mesh_dims {role}={names[0]!r} is not a dim of the mesh; its dims are {dims}"
         )
     return dims.index(names[0])
+
+
+def sharded_layout(
+    info: MeshInfo, outer: DTensorSpec | None, inner: Placement
+) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+    """The mesh and placements of a sharded parameter whose local tensor is split by ``inner``
+    over the shard axis. A plain parameter lives on ``info.mesh``. A DTensor parameter (tensor
+    parallel) keeps its own placements and gains ``inner`` on the data-parallel axis of the
+    mesh both belong to: ``info.mesh`` itself (``dp_mesh_dims``) or the root of the two."""
+    if outer is None:
+        return info.mesh, info.placements(inner)
+    if outer.mesh == info.mesh:  # dp_mesh_dims: parameters already on the full mesh
+        placements = list(outer.placements)
+        for axis in (info.shard_axis, info.replicate_axis):
+            if axis is not None and not isinstance(placements[axis], Replicate):
+                raise ValueError(
+                    f"a parameter is {placements[axis]} on data-parallel mesh dim {axis}; "
+                    "dp_mesh_dims expects parameters replicated over the data-parallel dims"
+                )
+        mesh, shard_axis = info.mesh, info.shard_axis
+    else:
+        mesh = info.mesh._get_root_mesh()
+        if outer.mesh._get_root_mesh() != mesh or not mesh.mesh_dim_names:
+            raise ValueError(
+                f"a DTensor parameter lives on mesh {outer.mesh}, which is not a named slice of "
+                f"the same root mesh as fully_shard's mesh {info.mesh}. Slice both from one "
+                "init_device_mesh(..., mesh_dim_names=(...)), e.g. mesh['dp'] and mesh['tp']"
+            )
+        names = mesh.mesh_dim_names
+        placements = [Replicate()] * mesh.ndim
+        for name, placement in zip(outer.mesh.mesh_dim_names or (), outer.placements, strict=True):
+            placements[names.index(name)] = placement
+        dp_names = info.mesh.mesh_dim_names or ()
+        shard_axis = names.index(dp_names[info.shard_axis]) if info.shard_axis is not None else None
+    if shard_axis is None:
+        return mesh, tuple(placements)
+    # Tensor parallelism split dim 0 first and fsdp2 splits the local piece again: for a TP
+    # axis after the data-parallel one in the mesh, DTensor calls that order strided.
+    split = 1
+    for axis in range(shard_axis + 1, mesh.ndim):
+        if isinstance(inner, Shard) and placements[axis] == Shard(inner.dim):
+            split *= mesh.size(axis)
+    placements[shard_axis] = _StridedShard(0, split_factor=split) if split > 1 else inner
+    return mesh, tuple(placements)

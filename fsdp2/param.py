@@ -15,8 +15,10 @@ from enum import Enum, auto
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor.placement_types import _StridedShard
 
-from fsdp2.mesh import MeshInfo
+from fsdp2.mesh import MeshInfo, sharded_layout
 
 __all__ = ["FSDPParam", "ShardedState"]
 
@@ -40,11 +42,16 @@ class FSDPParam:
         # Every (module, name) the parameter is registered under: tied weights have several.
         self.slots = [(module._parameters, name) for module, name in slots]
         self.slot_modules = list(slots)
-        self.shape = param.shape
+        # An incoming DTensor (tensor parallel) is sharded again through its local tensor: the
+        # layout below works on that local shape, and the unsharded parameter is rebuilt as a
+        # DTensor with this spec, which is what the tensor-parallel modules compute with.
+        self.outer_spec: DTensorSpec | None = param._spec if isinstance(param, DTensor) else None
+        self.shape = param._local_tensor.shape if isinstance(param, DTensor) else param.shape
+        self.global_shape = param.shape
         self.stride = param.stride()
         self.dtype = param.dtype
         self.requires_grad = param.requires_grad
-        self.numel = param.numel()
+        self.numel = math.prod(self.shape)
         # Set by the group once the layout is fixed.
         self.offset = 0  # start of this parameter's chunk inside a rank's flat shard
         self.sharded_param: nn.Parameter  # DTensor; the optimizer's parameter
@@ -53,15 +60,23 @@ class FSDPParam:
         self.unreduced: torch.Tensor | None = None  # no-sync gradient sum, in reduce_dtype
 
     def plan(self, info: MeshInfo) -> None:
-        """Fix this rank's chunk: ``chunk_numel`` (padded, equal on all ranks) and the real part."""
+        """Fix this rank's chunk: ``chunk_numel`` (padded, equal on all ranks) and the real part,
+        and the mesh and placements of the sharded DTensor."""
         world, rank = info.shard_size, info.shard_rank
         if len(self.shape) == 0:
-            self.placement: Shard | Replicate = Replicate()
+            self.mesh, self.placements = sharded_layout(info, self.outer_spec, Replicate())
             self.chunk_numel = 1
             self.local_shape: tuple[int, ...] = ()
             self.row_start = 0
             return
-        self.placement = Shard(0)
+        self.mesh, self.placements = sharded_layout(info, self.outer_spec, Shard(0))
+        strided = any(isinstance(pl, _StridedShard) for pl in self.placements)
+        if strided and self.shape[0] % world:
+            raise NotImplementedError(
+                f"{self.fqn}: tensor parallelism and fsdp2 both split dim 0, and its local size "
+                f"{self.shape[0]} is not divisible by the {world} data-parallel ranks; that "
+                "uneven nesting is not supported. Pad the dimension or shard another one"
+            )
         rows = self.shape[0]
         row_numel = math.prod(self.shape[1:])
         chunk_rows = -(-rows // world)
@@ -91,10 +106,10 @@ class FSDPParam:
                 local.copy_(self.shard_of(full))
         dtensor = DTensor.from_local(
             local,
-            info.mesh,
-            info.placements(self.placement),
+            self.mesh,
+            self.placements,
             run_check=False,
-            shape=self.shape,
+            shape=self.global_shape,
             stride=self.stride,
         )
         self.sharded_param = nn.Parameter(dtensor, requires_grad=self.requires_grad)
@@ -110,6 +125,8 @@ class FSDPParam:
         """View this parameter's (padded) region of the group's param-major unsharded buffer."""
         start = world * self.offset
         view = unsharded_flat[start : start + self.numel].view(self.shape)
+        if self.outer_spec is not None:
+            view = DTensor(view, self.outer_spec, requires_grad=False)
         self.unsharded_param = nn.Parameter(view, requires_grad=self.requires_grad)
         if self.requires_grad:
             # Holding the AccumulateGrad node keeps it unique, so the engine can be asked

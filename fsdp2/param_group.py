@@ -384,8 +384,13 @@ class FSDPParamGroup:
             unsharded = fsdp_param.unsharded_param
             if unsharded.grad is None:
                 continue
-            grad = unsharded.grad.to(self.reduce_dtype)
+            grad = unsharded.grad
             unsharded.grad = None
+            if isinstance(grad, DTensor):
+                spec = fsdp_param.outer_spec
+                assert spec is not None
+                grad = grad.redistribute(spec.mesh, spec.placements)._local_tensor
+            grad = grad.to(self.reduce_dtype)
             if fsdp_param.unreduced is None:
                 fsdp_param.unreduced = grad
             else:
@@ -395,11 +400,17 @@ class FSDPParamGroup:
         unsharded = fsdp_param.unsharded_param
         grad = unsharded.grad
         unsharded.grad = None
+        if isinstance(grad, DTensor):  # tensor parallel: reduce the local piece of the gradient
+            spec = fsdp_param.outer_spec
+            assert spec is not None
+            if grad.placements != spec.placements:  # e.g. Partial after a row-wise layer
+                grad = grad.redistribute(spec.mesh, spec.placements)
+            grad = grad._local_tensor
         if fsdp_param.unreduced is not None:  # the sum of earlier micro-steps without sync
             grad = fsdp_param.unreduced if grad is None else fsdp_param.unreduced.add_(grad)
             fsdp_param.unreduced = None
         if grad is None:  # unused here, but other ranks may have used it
-            grad = torch.zeros_like(unsharded)
+            grad = torch.zeros(fsdp_param.shape, dtype=self.param_dtype, device=self.device)
         # A scalar is replicated: every rank's chunk carries it, so each gets the reduced value.
         return grad.reshape(1).expand(self.world) if grad.dim() == 0 else grad
 
