@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from fsdp2.mesh import MeshInfo, default_mesh, device_of, mesh_info
 from fsdp2.module import STATE_ATTR, FSDPModule, ReplicateModule, UnshardHandle, state_of
@@ -89,10 +89,18 @@ def fully_shard(
     """
     modules = tuple(module) if isinstance(module, list) else (module,)
     _check_modules(modules)
-    _check_unsupported(shard_placement_fn, mp_policy, offload_policy)
+    _check_policies(mp_policy, offload_policy)
     mesh = mesh if mesh is not None else default_mesh()
     info = mesh_info(mesh, dp_mesh_dims)
-    _apply(modules, info, reshard_after_forward, mp_policy, offload_policy, ignored_params)
+    _apply(
+        modules,
+        info,
+        reshard_after_forward,
+        mp_policy,
+        offload_policy,
+        ignored_params,
+        shard_placement_fn=shard_placement_fn,
+    )
     return list(modules) if isinstance(module, list) else modules[0]  # type: ignore[return-value]
 
 
@@ -110,7 +118,7 @@ def replicate(
     per call, after its backward. Same bottom-up usage as ``fully_shard``."""
     modules = tuple(module) if isinstance(module, list) else (module,)
     _check_modules(modules)
-    _check_unsupported(None, mp_policy, offload_policy)
+    _check_policies(mp_policy, offload_policy)
     mesh = mesh if mesh is not None else default_mesh()
     info = mesh_info(mesh, dp_mesh_dims, replicate_only=True)
     _apply(modules, info, False, mp_policy, offload_policy, ignored_params, ReplicateModule)
@@ -125,6 +133,7 @@ def _apply(
     offload_policy: OffloadPolicy,
     ignored_params: set[nn.Parameter] | None,
     kind: type[FSDPModule] = FSDPModule,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
 ) -> None:
     """Shard ``modules``' unclaimed parameters into one group and install the runtime."""
     device = device_of(info.mesh)
@@ -134,6 +143,8 @@ def _apply(
     for param, (fqn, places) in slots.items():
         _check_device(param, fqn, device, modules)
         params.append(FSDPParam(param, places, fqn, label))
+        if shard_placement_fn is not None:
+            params[-1].dim = _shard_dim(shard_placement_fn(param), param, fqn, info)
         full = param._local_tensor if isinstance(param, DTensor) else param  # TP: local piece
         fulls.append(full.detach() if full.device.type == "meta" else full.detach().to(device))
     offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
@@ -216,18 +227,36 @@ def _check_modules(modules: tuple[nn.Module, ...]) -> None:
             )
 
 
-def _check_unsupported(
-    shard_placement_fn: object, mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy
-) -> None:
-    todo = []
-    if shard_placement_fn is not None:
-        todo.append("shard_placement_fn")
+def _check_policies(mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy) -> None:
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}")
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(f"offload_policy must be an OffloadPolicy, got {offload_policy!r}")
-    if todo:
-        raise NotImplementedError(f"fsdp2.fully_shard does not support yet: {', '.join(todo)}")
+
+
+def _shard_dim(choice: object, param: nn.Parameter, fqn: str, info: MeshInfo) -> int:
+    """The dim ``shard_placement_fn`` chose for ``param`` (``None``: dim 0)."""
+    if choice is None or param.dim() == 0:
+        return 0
+    mesh = getattr(getattr(choice, "mesh_info", None), "mesh", None)
+    if mesh is not None and mesh != info.mesh:
+        raise NotImplementedError(
+            f"shard_placement_fn put {fqn} on mesh {mesh}, not fully_shard's mesh {info.mesh}; "
+            "one group per mesh is not supported yet: call fully_shard separately for those "
+            "parameters' modules"
+        )
+    placement = getattr(choice, "placement", choice)
+    if not isinstance(placement, Shard):
+        raise ValueError(
+            f"shard_placement_fn must return None or a Shard placement for {fqn}, got {choice!r}"
+        )
+    dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
+    if not 0 <= dim < param.dim():
+        raise ValueError(
+            f"shard_placement_fn chose Shard({placement.dim}) for {fqn} of shape "
+            f"{tuple(param.shape)}, which has no such dim"
+        )
+    return dim
 
 
 def _managed_modules(modules: Iterable[nn.Module]) -> list[nn.Module]:

@@ -52,6 +52,7 @@ class FSDPParam:
         self.dtype = param.dtype
         self.requires_grad = param.requires_grad
         self.numel = math.prod(self.shape)
+        self.dim = 0  # the dim fsdp2 splits (shard_placement_fn may pick another)
         # Set by the group once the layout is fixed.
         self.offset = 0  # start of this parameter's chunk inside a rank's flat shard
         self.sharded_param: nn.Parameter  # DTensor; the optimizer's parameter
@@ -61,29 +62,36 @@ class FSDPParam:
 
     def plan(self, info: MeshInfo) -> None:
         """Fix this rank's chunk: ``chunk_numel`` (padded, equal on all ranks) and the real part,
-        and the mesh and placements of the sharded DTensor."""
-        world, rank = info.shard_size, info.shard_rank
+        and the mesh and placements of the sharded DTensor. Sharding ``dim`` works on the
+        parameter with that dim moved to the front ("layout order"); see ``param_order``."""
+        world, rank, dim = info.shard_size, info.shard_rank, self.dim
         if len(self.shape) == 0:
             self.mesh, self.placements = sharded_layout(info, self.outer_spec, Replicate())
             self.chunk_numel = 1
             self.local_shape: tuple[int, ...] = ()
+            self.layout_shape: tuple[int, ...] = ()
             self.row_start = 0
             return
-        self.mesh, self.placements = sharded_layout(info, self.outer_spec, Shard(0))
+        self.mesh, self.placements = sharded_layout(info, self.outer_spec, Shard(dim))
         strided = any(isinstance(pl, _StridedShard) for pl in self.placements)
-        if strided and self.shape[0] % world:
+        rows = self.shape[dim]
+        if strided and rows % world:
             raise NotImplementedError(
-                f"{self.fqn}: tensor parallelism and fsdp2 both split dim 0, and its local size "
-                f"{self.shape[0]} is not divisible by the {world} data-parallel ranks; that "
-                "uneven nesting is not supported. Pad the dimension or shard another one"
+                f"{self.fqn}: tensor parallelism and fsdp2 both split dim {dim}, and its local "
+                f"size {rows} is not divisible by the {world} data-parallel ranks; that uneven "
+                "nesting is not supported. Pad the dimension or shard another one"
             )
-        rows = self.shape[0]
-        row_numel = math.prod(self.shape[1:])
+        rest = [size for i, size in enumerate(self.shape) if i != dim]
         chunk_rows = -(-rows // world)
         local_rows = min(max(rows - rank * chunk_rows, 0), chunk_rows)
-        self.chunk_numel = chunk_rows * row_numel
-        self.local_shape = (local_rows, *self.shape[1:])
+        self.chunk_numel = chunk_rows * math.prod(rest)
+        self.layout_shape = (rows, *rest)
+        self.local_shape = (local_rows, *rest)
         self.row_start = min(rank * chunk_rows, rows)
+
+    def param_order(self, layout: torch.Tensor) -> torch.Tensor:
+        """A view of a tensor in layout order (sharded dim first) in the parameter's order."""
+        return layout.movedim(0, self.dim) if self.dim else layout
 
     @property
     def local_numel(self) -> int:
@@ -92,7 +100,7 @@ class FSDPParam:
     def init_sharded(self, flat: torch.Tensor, info: MeshInfo, full: torch.Tensor | None) -> None:
         """Make the sharded parameter view its chunk of ``flat``, filled with this rank's rows of
         ``full``, or (``full=None``) with the current sharded parameter's values."""
-        local = flat[self.offset : self.offset + self.local_numel].view(self.local_shape)
+        local = self.local_view(flat, self.offset)
         if full is None:
             owner = getattr(self.sharded_param, "_fsdp2_owner", None) or self.owner
             with torch.no_grad():
@@ -119,12 +127,13 @@ class FSDPParam:
         """This rank's rows of a full (global) tensor of this parameter's shape."""
         if not self.shape:
             return full
-        return full[self.row_start : self.row_start + self.local_shape[0]]
+        return full.narrow(self.dim, self.row_start, self.local_shape[0])
 
     def init_unsharded(self, unsharded_flat: torch.Tensor, world: int) -> None:
         """View this parameter's (padded) region of the group's param-major unsharded buffer."""
         start = world * self.offset
-        view = unsharded_flat[start : start + self.numel].view(self.shape)
+        layout_shape = self.layout_shape if self.shape else ()
+        view = self.param_order(unsharded_flat[start : start + self.numel].view(layout_shape))
         if self.outer_spec is not None:
             view = DTensor(view, self.outer_spec, requires_grad=False)
         self.unsharded_param = nn.Parameter(view, requires_grad=self.requires_grad)
@@ -141,7 +150,7 @@ class FSDPParam:
 
     def local_view(self, flat: torch.Tensor, start: int) -> torch.Tensor:
         """This rank's real rows inside a rank-local buffer where the chunk begins at ``start``."""
-        return flat[start : start + self.local_numel].view(self.local_shape)
+        return self.param_order(flat[start : start + self.local_numel].view(self.local_shape))
 
     def make_grad(self, local: torch.Tensor) -> DTensor:
         """A gradient with the sharded parameter's placement, wrapping ``local`` without a copy."""

@@ -412,7 +412,9 @@ class FSDPParamGroup:
         if grad is None:  # unused here, but other ranks may have used it
             grad = torch.zeros(fsdp_param.shape, dtype=self.param_dtype, device=self.device)
         # A scalar is replicated: every rank's chunk carries it, so each gets the reduced value.
-        return grad.reshape(1).expand(self.world) if grad.dim() == 0 else grad
+        if grad.dim() == 0:
+            return grad.reshape(1).expand(self.world)
+        return grad.movedim(fsdp_param.dim, 0) if fsdp_param.dim else grad
 
     def finish_reduce(
         self, out: torch.Tensor, params: list[FSDPParam], use_sum: bool

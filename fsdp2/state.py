@@ -287,7 +287,14 @@ class FSDPState:
             return
         order = ctx.forward_order
         if group.seen_in == ctx.iteration and order and order[group.order_index] is group:
-            previous = order[-1] if group.order_index == 0 else order[group.order_index - 1]
+            # The root prefetches the last group, whose gradients come first; any other group
+            # the one before it, but never the root's: the root's pre-backward ran first and
+            # gathered it, so by now it is either still gathered or done with backward.
+            previous = group  # nothing to prefetch
+            if self.is_root:
+                previous = order[-1]
+            elif group.order_index > 0 and order[group.order_index - 1] is not ctx.states[0].group:
+                previous = order[group.order_index - 1]
             if previous is not group and previous.unshard_in_backward:
                 previous.unshard()
 
