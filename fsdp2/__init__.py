@@ -8,6 +8,7 @@ from fsdp2.api import (
     replicate,
     share_comm_ctx,
 )
+from fsdp2.full_params import summon_full_params
 from fsdp2.policies import (
     CPUOffloadPolicy,
     DataParallelMeshDims,
@@ -26,6 +27,7 @@ __all__ = [
     "register_fsdp_forward_method",
     "replicate",
     "share_comm_ctx",
+    "summon_full_params",
 ]
 
 for _name in __all__:

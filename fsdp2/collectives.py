@@ -19,6 +19,7 @@ __all__ = [
     "AllGather",
     "CollectiveRecord",
     "Comm",
+    "LowPrecisionReduceScatter",
     "Pending",
     "ReduceScatter",
     "all_gather",
@@ -27,7 +28,7 @@ __all__ = [
     "reduce_scatter",
 ]
 
-CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce"]
+CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all"]
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,41 @@ class ReduceScatter(Comm):
         op: dist.ReduceOp.RedOpType,
         async_op: bool = False,
     ) -> dist.Work | None: ...
+
+
+class LowPrecisionReduceScatter(ReduceScatter):
+    """Send gradients in ``comm_dtype`` (e.g. bf16: half the bytes of fp32) but add them up in
+    the reduce dtype: an all-to-all hands each rank every rank's low-precision copy of its
+    chunk, and the sum happens locally at full precision, so rounding happens once per value
+    sent instead of at every step of a ring reduction. Install with
+    ``module.set_custom_reduce_scatter(LowPrecisionReduceScatter(torch.bfloat16))``."""
+
+    def __init__(self, comm_dtype: torch.dtype = torch.bfloat16) -> None:
+        self.comm_dtype = comm_dtype
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp.RedOpType,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        world = group.size()
+        sent = input_tensor.to(self.comm_dtype)
+        received = torch.empty_like(sent)
+        if _recorders:
+            _record("all_to_all", "low-precision reduce-scatter", sent, received, world)
+        dist.all_to_all_single(received, sent, group=group)
+        torch.sum(received.view(world, -1), dim=0, dtype=output_tensor.dtype, out=output_tensor)
+        if op == dist.ReduceOp.AVG:
+            output_tensor.div_(world)
+        return None
 
 
 def all_gather(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
 import torch
@@ -12,6 +12,8 @@ import torch.nn as nn
 from fsdp2.collectives import AllGather, ReduceScatter
 from fsdp2.param_group import FSDPParamGroup
 from fsdp2.state import FSDPState
+from fsdp2.state_dict import check_state_dict
+from fsdp2.traced import traced_forward
 
 __all__ = ["STATE_ATTR", "FSDPModule", "ReplicateModule", "UnshardHandle", "state_of"]
 
@@ -35,6 +37,8 @@ class FSDPModule:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         state: FSDPState = self.__dict__[STATE_ATTR]
+        if state.traced:
+            return traced_forward(state, super().__call__, args, kwargs)  # type: ignore[misc]
         args, kwargs = state.pre_forward(args, kwargs)
         return state.post_forward(super().__call__(*args, **kwargs))  # type: ignore[misc]
 
@@ -54,6 +58,14 @@ class FSDPModule:
         for group in groups:
             group.rebuild()
         return result
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        # nn.Module copies parameter by parameter and reports bad keys or shapes at the end;
+        # check everything first so that a bad state dict leaves the model untouched.
+        check_state_dict(self, state_dict, strict)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)  # type: ignore[misc]
 
     def _get_fsdp_state(self) -> FSDPState:
         return self.__dict__[STATE_ATTR]

@@ -10,6 +10,7 @@ contributes it as a one-element chunk, so it still rides in the group's single c
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from enum import Enum, auto
 
 import torch
@@ -18,6 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from fsdp2.extension import has_extension
 from fsdp2.mesh import MeshInfo, sharded_layout
 
 __all__ = ["FSDPParam", "ShardedState"]
@@ -53,6 +55,14 @@ class FSDPParam:
         self.requires_grad = param.requires_grad
         self.numel = math.prod(self.shape)
         self.dim = 0  # the dim fsdp2 splits (shard_placement_fn may pick another)
+        # All-gather extension (see extension.py): the subclass the shard is viewed as, and the
+        # unsharded parameter's inner tensors with their sizes, once the post hook built them.
+        local = param._local_tensor if isinstance(param, DTensor) else param
+        self.subclass = type(local) if has_extension(local) else None
+        self.extension = self.subclass is not None
+        self.ext_inner: list[tuple[torch.Tensor, int]] | None = None
+        self.module = slots[0][0]  # handed to fsdp_pre_all_gather
+        self.on_grad_ready: Callable[[torch.Tensor], None] | None = None
         # Set by the group once the layout is fixed.
         self.offset = 0  # start of this parameter's chunk inside a rank's flat shard
         self.sharded_param: nn.Parameter  # DTensor; the optimizer's parameter
@@ -101,6 +111,8 @@ class FSDPParam:
         """Make the sharded parameter view its chunk of ``flat``, filled with this rank's rows of
         ``full``, or (``full=None``) with the current sharded parameter's values."""
         local = self.local_view(flat, self.offset)
+        if self.subclass is not None:
+            local = local.as_subclass(self.subclass)  # same storage, the user's subclass
         if full is None:
             owner = getattr(self.sharded_param, "_fsdp2_owner", None) or self.owner
             with torch.no_grad():
@@ -136,8 +148,13 @@ class FSDPParam:
         view = self.param_order(unsharded_flat[start : start + self.numel].view(layout_shape))
         if self.outer_spec is not None:
             view = DTensor(view, self.outer_spec, requires_grad=False)
-        self.unsharded_param = nn.Parameter(view, requires_grad=self.requires_grad)
-        if self.requires_grad:
+        self.adopt_unsharded(nn.Parameter(view, requires_grad=self.requires_grad))
+
+    def adopt_unsharded(self, param: nn.Parameter) -> None:
+        """Make ``param`` the unsharded parameter, hooked for gradient readiness."""
+        self.unsharded_param = param
+        if self.requires_grad and self.on_grad_ready is not None:
+            param.register_post_accumulate_grad_hook(self.on_grad_ready)
             # Holding the AccumulateGrad node keeps it unique, so the engine can be asked
             # whether it will run in a given backward (see FSDPParamGroup.on_grad_ready).
             self.grad_node = self.unsharded_param.view_as(self.unsharded_param).grad_fn

@@ -29,8 +29,10 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from fsdp2 import extension
 from fsdp2.collectives import (
     AllGather,
     Pending,
@@ -39,6 +41,7 @@ from fsdp2.collectives import (
     all_reduce,
     reduce_scatter,
 )
+from fsdp2.extension import Packing
 from fsdp2.mesh import MeshInfo
 from fsdp2.param import FSDPParam, ShardedState
 from fsdp2.policies import CPUOffloadPolicy, MixedPrecisionPolicy
@@ -104,9 +107,17 @@ class FSDPParamGroup:
         self.label = label
         self.world = info.shard_size
         self.state = ShardedState.SHARDED
-        order = sorted(range(len(params)), key=lambda i: not params[i].requires_grad)
+        # Plain parameters first (trainable, then frozen), extension parameters last: the plain
+        # prefix of the flat shard is what a byte-packed gather sends as is.
+        order = sorted(
+            range(len(params)), key=lambda i: (params[i].extension, not params[i].requires_grad)
+        )
         self.fsdp_params = [params[i] for i in order]
         self.trainable = [p for p in self.fsdp_params if p.requires_grad]
+        self.plain_params = [p for p in self.fsdp_params if not p.extension]
+        self.ext_params = [p for p in self.fsdp_params if p.extension]
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.on_grad_ready = self._on_grad_ready
         self.mp_policy = mp_policy or MixedPrecisionPolicy()
         self._set_dtypes()
         self.device = device  # where gathers, compute and reductions run
@@ -117,14 +128,22 @@ class FSDPParamGroup:
             fsdp_param.offset = offset
             offset += fsdp_param.chunk_numel
         self.shard_numel = offset
-        self._chunk_sizes = [p.chunk_numel for p in self.fsdp_params]
+        self.plain_numel = sum(p.chunk_numel for p in self.plain_params)
+        self._chunk_sizes = [p.chunk_numel for p in self.plain_params]
+        if self.ext_params and any(p.local_numel != p.chunk_numel for p in self.ext_params):
+            uneven = [p.fqn for p in self.ext_params if p.local_numel != p.chunk_numel]
+            raise NotImplementedError(
+                f"{', '.join(uneven)}: all-gather extension parameters must split evenly over "
+                f"the {self.world} shard ranks (every rank's inputs the same size)"
+            )
         fulls = [full_tensors[i] for i in order]
         if any(full.device.type == "meta" for full in fulls):
             storage = torch.device("meta")  # materialised later by to_empty(); see rebuild()
         else:
             storage = torch.device("cpu") if offload else device
         self._build(storage, fulls)
-        self._gather: tuple[Pending, torch.Tensor] | None = None
+        # The all-gather in flight: its handle, output, and (byte-packed gathers) the packing.
+        self._gather: tuple[Pending, torch.Tensor, Packing | None] | None = None
         # reshard_after_forward=k: the k-rank group that gathers in backward, which of the k
         # blocks of W/k consecutive ranks' chunks this rank keeps, and (in PARTIAL) that block.
         self.partial_group: dist.ProcessGroup | None = None
@@ -166,23 +185,29 @@ class FSDPParamGroup:
             fsdp_param.group = self
         # With one rank and nothing to cast or move, the shard is the whole parameter: the
         # unsharded parameters view the sharded buffer and "gathering" costs nothing.
-        self.alias = world == 1 and self.param_dtype == self.dtype and storage_device == self.device
-        # 1-D, param-major, every parameter padded to world * chunk.
+        self.alias = (
+            world == 1
+            and self.param_dtype == self.dtype
+            and storage_device == self.device
+            and not self.ext_params
+        )
+        # 1-D, param-major, every plain parameter padded to world * chunk.
         self.unsharded_flat = (
             self.sharded_flat
             if self.alias
-            else torch.empty(world * self.shard_numel, dtype=self.param_dtype, device=self.device)
+            else torch.empty(world * self.plain_numel, dtype=self.param_dtype, device=self.device)
         )
         self._copy_out = [
             self.unsharded_flat[world * p.offset : world * (p.offset + p.chunk_numel)].view(
                 world, p.chunk_numel
             )
-            for p in self.fsdp_params
+            for p in self.plain_params
         ]
-        for fsdp_param in self.fsdp_params:
+        for fsdp_param in self.plain_params:
             fsdp_param.init_unsharded(self.unsharded_flat, world)
-            if fsdp_param.requires_grad:
-                fsdp_param.unsharded_param.register_post_accumulate_grad_hook(self._on_grad_ready)
+        for fsdp_param in self.ext_params:  # built by the post-all-gather hook on first use
+            fsdp_param.unsharded_param = nn.Parameter(torch.empty(0), requires_grad=False)
+            fsdp_param.ext_inner = None
         self._free_unsharded()
 
     def _set_dtypes(self) -> None:
@@ -230,25 +255,31 @@ class FSDPParamGroup:
             )
         storage = self.unsharded_flat.untyped_storage()
         storage.resize_(self.unsharded_flat.numel() * self.unsharded_flat.element_size())
-        comm = self.custom_all_gather
-        if comm is not None:
-            flat = self.unsharded_flat
-            out = comm.allocate(flat.shape, dtype=flat.dtype, device=flat.device)
-        elif len(self.fsdp_params) == 1:
-            out = self.unsharded_flat  # one parameter: rank-major is param-major
-        else:
-            out = torch.empty_like(self.unsharded_flat)
+        packing = None
         if self._partial is not None:
             source, group = self._partial, self.partial_group
         else:
-            # One cast/copy of the whole shard: to param_dtype, and to the device if offloaded.
-            source = self.sharded_flat.to(self.device, self.param_dtype, non_blocking=True)
+            # One cast/copy of the plain shard: to param_dtype, and to the device if offloaded.
+            plain = self.sharded_flat[: self.plain_numel]
+            source = plain.to(self.device, self.param_dtype, non_blocking=True)
             group = self.info.shard_group
-        if self.world == 1:  # nothing to gather, only the cast or copy above
-            self._gather = (Pending(None), source)
-            return
+            if self.ext_params:
+                source, packing = extension.pack(self, source)
         assert group is not None
-        self._gather = (all_gather(out, source, group, self.label, comm), out)
+        # group.size(), not self.world: a k-rank gather (reshard_after_forward=k) sends W/k
+        # chunks per rank, and the output still holds all W chunks once.
+        out_numel = group.size() * source.numel()
+        comm = self.custom_all_gather
+        if comm is not None:
+            out = comm.allocate((out_numel,), dtype=source.dtype, device=source.device)
+        elif len(self.fsdp_params) == 1 and packing is None:
+            out = self.unsharded_flat  # one parameter: rank-major is param-major
+        else:
+            out = source.new_empty(out_numel)
+        if self.world == 1:  # nothing to gather, only the cast, copy or packing above
+            self._gather = (Pending(None), source, packing)
+            return
+        self._gather = (all_gather(out, source, group, self.label, comm), out, packing)
 
     def wait_for_unshard(self) -> None:
         """Finish the gather, if any, and register the unsharded parameters on the modules."""
@@ -256,18 +287,20 @@ class FSDPParamGroup:
             return
         self.unshard()
         if self._gather is not None:
-            pending, out = self._gather
+            pending, out, packing = self._gather
             pending.wait()
             self._gather = None
             self._partial = None
-            if out is not self.unsharded_flat:
+            if packing is not None:
+                rows = extension.unpack(self, out, packing)
+                sizes = [c * self.unsharded_flat.element_size() for c in self._chunk_sizes]
+                targets = [view.view(torch.uint8) for view in self._copy_out]
+            else:
+                rows = out.view(self.world, self.plain_numel)
+                sizes, targets = self._chunk_sizes, self._copy_out
+            if out is not self.unsharded_flat and targets:
                 with torch.autograd._unsafe_preserve_version_counter(self.unsharded_flat):
-                    torch.split_with_sizes_copy(
-                        out.view(self.world, self.shard_numel),
-                        self._chunk_sizes,
-                        dim=1,
-                        out=self._copy_out,
-                    )
+                    torch.split_with_sizes_copy(rows, sizes, dim=1, out=targets)
         for fsdp_param in self.fsdp_params:
             fsdp_param.register(fsdp_param.unsharded_param)
         self.state = ShardedState.UNSHARDED
@@ -287,7 +320,11 @@ class FSDPParamGroup:
     def reshard_partial(self) -> None:
         """Reshard, but keep this rank's block of W/k ranks' chunks so that backward gathers
         within a k-rank group (``reshard_after_forward=k``)."""
-        if self.state is not ShardedState.UNSHARDED or self.partial_group is None:
+        if (
+            self.state is not ShardedState.UNSHARDED
+            or self.partial_group is None
+            or self.ext_params
+        ):
             self.reshard()
             return
         lo, hi = self.partial_rows
@@ -300,6 +337,8 @@ class FSDPParamGroup:
     def _free_unsharded(self) -> None:
         if not self.alias and self.unsharded_flat.device.type != "meta":
             self.unsharded_flat.untyped_storage().resize_(0)
+        for fsdp_param in self.ext_params:
+            extension.free(fsdp_param)
 
     @property
     def unshard_pending(self) -> bool:

@@ -176,6 +176,7 @@ class FSDPState:
         # Explicit prefetch targets (set_modules_to_*_prefetch); None: use the recorded order.
         self.forward_prefetch: list[FSDPParamGroup] | None = None
         self.backward_prefetch: list[FSDPParamGroup] | None = None
+        self.traced = False  # True: no hooks; forward gathers inside the graph (traced.py)
         if group is not None:
             group.on_grads_ready = self._post_backward
 
@@ -203,6 +204,9 @@ class FSDPState:
 
     # -- forward ----------------------------------------------------------------------------------
 
+    # Dynamo never traces the hooks: their collectives, storage resizing and autograd hooks
+    # run eagerly, and a compiled region breaks its graph around them (docs/compile.md).
+    @torch._disable_dynamo
     def pre_forward(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -230,6 +234,7 @@ class FSDPState:
             following.unshard()
         return args, kwargs
 
+    @torch._disable_dynamo
     def post_forward(self, output: Any) -> Any:
         if self.output_dtype is not None:
             output = _cast_floats(output, self.output_dtype)

@@ -1,56 +1,142 @@
-"""State-dict hooks: saving always sees the sharded DTensors; loading accepts full tensors too."""
+"""State dicts of fsdp2 modules: sharded DTensors out; DTensors of any layout or full tensors in.
+
+Saving reshards first, so ``state_dict()`` holds each parameter as its sharded ``DTensor``, with
+the parameter's global shape and placements (fsdp2's padding never shows). Loading takes, per
+parameter, a DTensor in the same layout (copied locally), a DTensor in another layout or on
+another mesh (redistributed), or a plain full tensor (this rank's slice is taken, with no
+communication), whether the module is sharded or unsharded at the time.
+
+``FSDPModule.load_state_dict`` checks the whole state dict against the module before
+``nn.Module`` copies anything (:func:`check_state_dict`): ``nn.Module`` copies each parameter as
+it goes and reports bad keys and shapes only at the end, which would leave a model half loaded.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
+from fsdp2.param import FSDPParam
 from fsdp2.param_group import FSDPParamGroup
 
-__all__ = ["register_state_dict_hooks"]
+__all__ = ["check_state_dict", "register_state_dict_hooks"]
 
 
 def register_state_dict_hooks(module: nn.Module, group: FSDPParamGroup) -> None:
-    """Reshard ``group`` before ``module``'s state is read or written, and turn full tensors
-    offered to ``load_state_dict`` into this rank's shard."""
+    """Reshard ``group`` before ``module``'s state is read or written, turn the values offered to
+    ``load_state_dict`` into this rank's shards, and re-pack the group if loading with
+    ``assign=True`` replaced its parameters."""
     # Key of each parameter relative to ``module`` (a tied one has several).
     names = {id(m): n for n, m in module.named_modules()}
     keys = [
-        (f"{names[id(params_owner)]}.{name}".lstrip("."), fsdp_param)
+        (f"{names[id(owner)]}.{name}".lstrip("."), fsdp_param)
         for fsdp_param in group.fsdp_params
-        for params_owner, name in fsdp_param.slot_modules
-        if id(params_owner) in names
+        for owner, name in fsdp_param.slot_modules
+        if id(owner) in names
     ]
 
     def before_save(_module: nn.Module, _prefix: str, _keep_vars: bool) -> None:
         group.reshard()
 
-    def before_load(state_dict: dict[str, Any], prefix: str, *_args: Any) -> None:
+    def before_load(
+        _module: nn.Module, state_dict: dict[str, Any], prefix: str, *_args: Any
+    ) -> None:
         group.reshard()
         for key, fsdp_param in keys:
             value = state_dict.get(prefix + key)
             if isinstance(value, torch.Tensor):
                 state_dict[prefix + key] = _as_shard(value, fsdp_param)
 
+    def after_load(_module: nn.Module, _incompatible: Any) -> None:
+        _adopt_assigned(group)
+
     module.register_state_dict_pre_hook(before_save)
-    module._register_load_state_dict_pre_hook(before_load)
+    module.register_load_state_dict_pre_hook(before_load)
+    module.register_load_state_dict_post_hook(after_load)
 
 
-def _as_shard(value: torch.Tensor, fsdp_param: Any) -> torch.Tensor:
-    """``value`` as a DTensor placed like the sharded parameter; a wrongly shaped value is left
-    as it is, so ``load_state_dict`` reports the size mismatch itself."""
+def _as_shard(value: torch.Tensor, fsdp_param: FSDPParam) -> torch.Tensor:
+    """``value`` as a DTensor laid out like the sharded parameter. A wrongly shaped value is left
+    as it is, for ``load_state_dict`` to report."""
     target = fsdp_param.sharded_param
+    if target.dim() == 0 and tuple(value.shape) == (1,):
+        value = value.reshape(())  # an old checkpoint's scalar (see _shapes_match)
     if tuple(value.shape) != tuple(target.shape):
         return value
+    mesh, placements = target.device_mesh, target.placements
     if isinstance(value, DTensor):
-        if (
-            value._spec.placements == target._spec.placements
-            and value.device_mesh == target.device_mesh
+        if value.device_mesh == mesh:
+            return value.redistribute(mesh, placements)  # no-op in the same layout
+        value = value.full_tensor()  # another mesh: go through the full tensor
+    local_device = target.to_local().device
+    if value.device.type == "meta":
+        return value  # nothing to slice; copying from meta is nn.Module's to refuse
+    # src_data_rank=None: every rank slices its own copy of the full tensor, no communication.
+    value = value.detach().to(local_device, target.dtype)
+    return distribute_tensor(value, mesh, placements, src_data_rank=None)
+
+
+def _adopt_assigned(group: FSDPParamGroup) -> None:
+    """``load_state_dict(assign=True)`` (as ``set_model_state_dict`` does for a model still on
+    the meta device) registers new parameter objects: make them the group's sharded parameters,
+    tie every slot of a shared parameter to one object again, and pack them into the group's
+    buffers. ``rebuild`` is a no-op when nothing was replaced."""
+    for fsdp_param in group.fsdp_params:
+        owner, name = fsdp_param.slot_modules[0]
+        current = owner._parameters.get(name)
+        if current is None or current is fsdp_param.sharded_param:
+            continue
+        if not isinstance(current, DTensor) or current.placements != (
+            fsdp_param.sharded_param.placements
         ):
-            return value
-        value = value.full_tensor()  # another layout or mesh: go through the full tensor
-    local = fsdp_param.shard_of(value).to(target._local_tensor.device, target.dtype)
-    return DTensor(local, target._spec, requires_grad=False)
+            raise AssertionError(
+                f"fsdp2: after load_state_dict, {fsdp_param.fqn} is a {type(current).__name__} "
+                f"with placements {getattr(current, 'placements', None)}; expected a DTensor "
+                f"with placements {fsdp_param.sharded_param.placements}"
+            )
+        fsdp_param.sharded_param = current
+        fsdp_param.register(current)
+    group.rebuild()
+
+
+def check_state_dict(module: nn.Module, state_dict: Mapping[str, Any], strict: bool) -> None:
+    """Raise if ``state_dict`` cannot be loaded into ``module``, naming every bad key, before
+    anything is copied. ``strict=False`` allows missing and unexpected keys, never a wrong shape."""
+    expected = module.state_dict(keep_vars=True)
+    missing = [key for key in expected if key not in state_dict] if strict else []
+    unexpected = [key for key in state_dict if key not in expected] if strict else []
+    mismatched = []
+    for key, value in state_dict.items():
+        want = expected.get(key)
+        if not isinstance(want, torch.Tensor):
+            continue  # unexpected, or a module's extra state: not ours to check
+        if not isinstance(value, torch.Tensor):
+            mismatched.append(f"{key} is a {type(value).__name__}, not a tensor")
+        elif not _shapes_match(value.shape, want.shape):
+            mismatched.append(
+                f"{key} has shape {tuple(value.shape)}, the model's is {tuple(want.shape)}"
+            )
+    if not (missing or unexpected or mismatched):
+        return
+    lines = [
+        f"load_state_dict for {type(module).__name__} found problems; nothing was loaded, "
+        "the model is unchanged:"
+    ]
+    if missing:
+        lines.append(f"  missing keys ({len(missing)}): {', '.join(missing)}")
+    if unexpected:
+        lines.append(f"  unexpected keys ({len(unexpected)}): {', '.join(unexpected)}")
+    if mismatched:
+        lines.append(f"  wrong values ({len(mismatched)}): {'; '.join(mismatched)}")
+    if missing or unexpected:
+        lines.append("Pass strict=False to load a subset of the keys; shapes must match anyway.")
+    raise RuntimeError("\n".join(lines))
+
+
+def _shapes_match(got: torch.Size, want: torch.Size) -> bool:
+    # nn.Module also loads a one-element 1-D tensor into a 0-d parameter (old checkpoints).
+    return got == want or (len(want) == 0 and tuple(got) == (1,))

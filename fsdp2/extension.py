@@ -1,0 +1,105 @@
+"""The all-gather extension protocol: a tensor subclass decides what its shard sends.
+
+A sharded local tensor whose class defines ``fsdp_pre_all_gather(mesh, outer_size, outer_stride,
+module, mp_policy) -> (inputs, metadata)`` and ``fsdp_post_all_gather(outputs, metadata,
+param_dtype, *, out=None)`` is gathered as the ``inputs`` it returns (e.g. int8 data and scales
+instead of fp32), and its unsharded parameter is whatever the post hook builds from the gathered
+``outputs`` (each input concatenated over ranks along dim 0). The first post hook returns
+``(tensor, inner_tensors)``; later ones refill that tensor in place (``out=``) after fsdp2
+re-allocates the inner tensors it freed at reshard.
+
+A group holding such parameters gathers bytes: its plain parameters' shard and every extension
+input, packed back to back, in one all-gather; unpacking cuts the bytes apart again.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+
+if TYPE_CHECKING:
+    from fsdp2.param import FSDPParam
+    from fsdp2.param_group import FSDPParamGroup
+
+__all__ = ["has_extension", "pack", "unpack"]
+
+# Per extension parameter: its metadata and the (dtype, shape) of each input it sent.
+Packing = list[tuple[Any, list[tuple[torch.dtype, torch.Size]]]]
+
+
+def has_extension(tensor: torch.Tensor) -> bool:
+    pre = hasattr(tensor, "fsdp_pre_all_gather")
+    if pre != hasattr(tensor, "fsdp_post_all_gather"):
+        raise TypeError(
+            f"{type(tensor).__name__} defines only one of fsdp_pre_all_gather and "
+            "fsdp_post_all_gather; the all-gather extension needs both"
+        )
+    return pre
+
+
+def pack(group: FSDPParamGroup, plain: torch.Tensor) -> tuple[torch.Tensor, Packing]:
+    """One rank's send buffer (``uint8``): ``plain`` then every extension input, as bytes."""
+    parts = [plain]
+    packing: Packing = []
+    for fsdp_param in group.ext_params:
+        local = _subclass_view(fsdp_param)
+        inputs, metadata = local.fsdp_pre_all_gather(
+            fsdp_param.mesh,
+            fsdp_param.global_shape,
+            fsdp_param.stride,
+            fsdp_param.module,
+            group.mp_policy,
+        )
+        packing.append((metadata, [(t.dtype, t.shape) for t in inputs]))
+        parts.extend(t.to(group.device) for t in inputs)
+    send = torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in parts])
+    return send, packing
+
+
+def unpack(group: FSDPParamGroup, gathered: torch.Tensor, packing: Packing) -> torch.Tensor:
+    """Rebuild every extension parameter from ``gathered`` (rank-major bytes); return the
+    plain parameters' part as a ``(world, bytes)`` view for the usual copy-out."""
+    world = group.world
+    rows = gathered.view(world, -1)
+    start = group.plain_numel * group.unsharded_flat.element_size()
+    for fsdp_param, (metadata, specs) in zip(group.ext_params, packing, strict=True):
+        outputs = []
+        for dtype, shape in specs:
+            nbytes = math.prod(shape) * dtype.itemsize
+            piece = rows[:, start : start + nbytes].contiguous().view(dtype)
+            start += nbytes
+            outputs.append(piece.view(world * shape[0], *shape[1:]) if shape else piece)
+        _rebuild_unsharded(fsdp_param, tuple(outputs), metadata, group.param_dtype)
+    return rows[:, : group.plain_numel * group.unsharded_flat.element_size()]
+
+
+def _rebuild_unsharded(
+    fsdp_param: FSDPParam, outputs: tuple[torch.Tensor, ...], metadata: Any, dtype: torch.dtype
+) -> None:
+    local = _subclass_view(fsdp_param)
+    if fsdp_param.ext_inner is None:
+        tensor, inner = local.fsdp_post_all_gather(outputs, metadata, dtype)
+        fsdp_param.ext_inner = [(t, t.untyped_storage().nbytes()) for t in inner]
+        fsdp_param.adopt_unsharded(nn.Parameter(tensor, requires_grad=fsdp_param.requires_grad))
+        return
+    for tensor, nbytes in fsdp_param.ext_inner:
+        tensor.untyped_storage().resize_(nbytes)
+    # Refilling the very tensor autograd saved in forward (see [Note: freeing unsharded storage]).
+    with torch.autograd._unsafe_preserve_version_counter(fsdp_param.unsharded_param):
+        local.fsdp_post_all_gather(outputs, metadata, dtype, out=fsdp_param.unsharded_param)
+
+
+def _subclass_view(fsdp_param: FSDPParam) -> torch.Tensor:
+    """The shard as the user's subclass (DTensor operations may hand back a plain tensor)."""
+    local = fsdp_param.sharded_param._local_tensor
+    subclass = fsdp_param.subclass
+    assert subclass is not None
+    return local if isinstance(local, subclass) else local.as_subclass(subclass)
+
+
+def free(fsdp_param: FSDPParam) -> None:
+    for tensor, _ in fsdp_param.ext_inner or ():
+        tensor.untyped_storage().resize_(0)

@@ -1,0 +1,192 @@
+"""``summon_full_params``: the full parameters of fsdp2 modules, for a while, outside training.
+
+[Note: summoned parameters]
+Inside the context every summoned parameter is registered on its modules as a plain full tensor
+in the parameter's own dtype (not mixed precision's ``param_dtype``), gathered through DTensor's
+``full_tensor()``, so any placement fsdp2 uses is handled without knowing its buffer layout. On
+exit, with ``writeback``, each rank copies its own slice of the (possibly edited) full tensor
+into its shard, locally; then the sharded parameters are registered again.
+
+Running the model inside the context (evaluation, generation) uses the summoned tensors as they
+are: the summoned modules' fsdp2 hooks step aside, so no collective runs and nothing is
+resharded under the caller. Gradients computed there land on the summoned tensors and are
+dropped on exit; training belongs outside the context.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from fsdp2.module import state_of
+from fsdp2.param import FSDPParam
+from fsdp2.param_group import FSDPParamGroup
+from fsdp2.state import FSDPState, TrainingState
+
+__all__ = ["summon_full_params"]
+
+# Groups summoned right now: summoning one twice would register tensors that the outer context
+# then fails to write back.
+_summoned: weakref.WeakSet[FSDPParamGroup] = weakref.WeakSet()
+
+
+@contextmanager
+def summon_full_params(
+    module: nn.Module,
+    *,
+    writeback: bool = True,
+    rank0_only: bool = False,
+    offload_to_cpu: bool = False,
+    recurse: bool = True,
+) -> Iterator[None]:
+    """Register the full parameters of ``module``'s fsdp2 modules while the context is active.
+
+    ``writeback``: copy changes made to the full parameters back into the shards on exit (every
+    rank writes its own slice, so make the same change on every rank). ``rank0_only``: only rank
+    0 keeps the full parameters; the other ranks keep their shards (needs ``writeback=False``).
+    ``offload_to_cpu``: hold the full parameters on CPU, one parameter at a time on the device.
+    ``recurse``: also summon the fsdp2 modules below ``module``; ``False`` summons only
+    ``module``'s own ``fully_shard`` group. Call it on every rank, outside forward and backward
+    (see [Note: summoned parameters]).
+    """
+    if rank0_only and writeback:
+        raise ValueError(
+            "summon_full_params(rank0_only=True) needs writeback=False: only rank 0 holds the "
+            "full parameters, so the other ranks would have nothing to write back"
+        )
+    states = _states_in(module, recurse)
+    _check_idle(states)
+    groups = [s.group for s in states if s.group is not None]
+    keep = not rank0_only or dist.get_rank() == 0
+    with ExitStack() as stack:
+        for state in states:
+            stack.enter_context(_hooks_step_aside(state, keep))
+        for group in groups:
+            stack.enter_context(_summon_group(group, writeback, keep, offload_to_cpu))
+        yield
+
+
+def _states_in(module: nn.Module, recurse: bool) -> list[FSDPState]:
+    if not recurse:
+        state = state_of(module)
+        if state is None:
+            raise ValueError(
+                f"summon_full_params(recurse=False) needs an fsdp2 module, got a "
+                f"{type(module).__name__} that fully_shard was not applied to; apply it, or "
+                "pass recurse=True to summon the fsdp2 modules below it"
+            )
+        return [state]
+    states: list[FSDPState] = []
+    for sub in module.modules():
+        state = state_of(sub)
+        if state is not None and state not in states:
+            states.append(state)
+    if not states:
+        raise ValueError(
+            f"summon_full_params found no fsdp2 module in this {type(module).__name__}; "
+            "apply fully_shard to it (or to its submodules) first"
+        )
+    return states
+
+
+def _check_idle(states: list[FSDPState]) -> None:
+    for state in states:
+        if state.training_state is not TrainingState.IDLE:
+            raise RuntimeError(
+                f"summon_full_params cannot run inside forward or backward: fsdp2 module "
+                f"'{state.fqn or '<root>'}' is in {state.training_state.name}. Call it before "
+                "forward or after backward has finished"
+            )
+        if state.group is not None and state.group in _summoned:
+            raise RuntimeError(
+                f"summon_full_params is already active on fsdp2 module '{state.fqn or '<root>'}'"
+                "; nesting it on the same module is not supported"
+            )
+
+
+@contextmanager
+def _hooks_step_aside(state: FSDPState, keep: bool) -> Iterator[None]:
+    """Shadow ``state``'s forward hooks (an instance attribute hides the method) so a forward
+    inside the context computes on the summoned tensors."""
+
+    def pre_forward(
+        args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if not keep:
+            raise RuntimeError(
+                f"fsdp2 module '{state.fqn or '<root>'}' ran forward inside "
+                f"summon_full_params(rank0_only=True) on rank {dist.get_rank()}, which holds "
+                "only its shards; run forward on rank 0 only, or pass rank0_only=False"
+            )
+        return args, kwargs
+
+    def post_forward(output: Any) -> Any:
+        return output
+
+    state.__dict__["pre_forward"] = pre_forward
+    state.__dict__["post_forward"] = post_forward
+    try:
+        yield
+    finally:
+        del state.__dict__["pre_forward"], state.__dict__["post_forward"]
+
+
+@contextmanager
+def _summon_group(
+    group: FSDPParamGroup, writeback: bool, keep: bool, offload_to_cpu: bool
+) -> Iterator[None]:
+    group.reshard()
+    fulls: list[tuple[FSDPParam, nn.Parameter]] = []
+    for fsdp_param in group.fsdp_params:
+        full = _gather(fsdp_param, group.device, offload_to_cpu)
+        if keep:
+            full_param = nn.Parameter(full, requires_grad=fsdp_param.requires_grad)
+            fsdp_param.register(full_param)
+            fulls.append((fsdp_param, full_param))
+    _summoned.add(group)
+    try:
+        yield
+        if writeback:  # not after an exception: the shards keep their values then
+            _write_back(fulls)
+    finally:
+        _summoned.discard(group)
+        for fsdp_param, _ in fulls:
+            fsdp_param.register(fsdp_param.sharded_param)
+
+
+def _gather(fsdp_param: FSDPParam, device: torch.device, offload_to_cpu: bool) -> torch.Tensor:
+    sharded = fsdp_param.sharded_param.detach()
+    if sharded.device != device:  # CPU-offloaded shards gather on the mesh's device
+        sharded = sharded.to(device)
+    full = sharded.full_tensor()
+    return full.cpu() if offload_to_cpu else full
+
+
+@torch.no_grad()
+def _write_back(fulls: list[tuple[FSDPParam, nn.Parameter]]) -> None:
+    for fsdp_param, full_param in fulls:  # check all first: write all or nothing
+        owner, name = fsdp_param.slot_modules[0]
+        if owner._parameters.get(name) is not full_param:
+            raise RuntimeError(
+                f"{fsdp_param.fqn} was replaced inside summon_full_params, so its new value "
+                "cannot be written back; change the summoned tensor in place instead (e.g. "
+                "`with torch.no_grad(): param.copy_(value)`)"
+            )
+    for fsdp_param, full_param in fulls:
+        sharded: DTensor = fsdp_param.sharded_param
+        local = sharded.to_local()
+        # src_data_rank=None: each rank slices its own full copy, with no communication.
+        mine = distribute_tensor(
+            full_param.detach().to(local.device),
+            sharded.device_mesh,
+            sharded.placements,
+            src_data_rank=None,
+        )
+        local.copy_(mine.to_local())

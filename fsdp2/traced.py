@@ -1,0 +1,192 @@
+"""Traced mode: fsdp2's all-gathers and reduce-scatters as ops inside the compiled graph.
+
+fsdp2's default runtime gathers and reduces from eager hooks around each module's forward and
+backward; ``torch.compile`` cannot see into those, so they stay outside the graph (see
+docs/compile.md). ``set_traced(model)`` switches every fsdp2 module under ``model`` to a pure
+function of its sharded parameters instead: before the module's own forward, its group's shards
+are gathered with one functional all-gather (``_c10d_functional.all_gather_into_tensor``), the
+gathered parameters are registered for the duration of that forward, and autograd turns the
+gather into a reduce-scatter in backward. Dynamo and AOTAutograd trace both, so a whole model's
+forward compiles with ``fullgraph=True`` and its backward graph holds the reduce-scatters, where
+the compiler is free to reorder and overlap them.
+
+[Note: traced gather]
+One collective per group, as in eager mode: every parameter's local shard (real rows only, the
+sharded dim first) is padded to its chunk and concatenated into this rank's flat shard, the flat
+shards are gathered rank-major, and each parameter is cut back out of its column of chunks. The
+gradients arrive through the same views, so autograd builds the padded, rank-major reduce-scatter
+input by itself; :class:`_GatherShards` reduce-scatters it and divides, and the gradient of the
+sharded ``DTensor`` parameter is its local part, as the optimizer expects.
+
+[Note: traced resharding]
+Autograd keeps whatever backward needs. Left alone it would keep the gathered parameters from
+forward to backward, i.e. ``reshard_after_forward=False``. For groups that reshard after forward,
+the gather runs under selective activation checkpointing that marks every op of it
+``MUST_RECOMPUTE``: backward gathers again (eager recompute, or an all-gather in the compiled
+backward graph) and forward frees the gathered parameters as soon as their last use is done.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+if TYPE_CHECKING:
+    from fsdp2.param_group import FSDPParamGroup
+    from fsdp2.state import FSDPState
+
+__all__ = ["set_traced", "traced_forward"]
+
+_c10d = torch.ops._c10d_functional
+
+
+def set_traced(module: nn.Module, traced: bool = True) -> None:
+    """Run every fsdp2 module under ``module`` (itself included) in traced mode, or back.
+
+    Call it on the root after the last ``fully_shard``, then ``torch.compile`` the model. In
+    traced mode no hook runs: each forward gathers its group with a functional all-gather and
+    its backward reduce-scatters the gradients. ``module`` counts as the root for the default
+    ``reshard_after_forward`` (the root keeps its parameters until backward, others reshard).
+    """
+    states = _states_under(module)
+    if not states:
+        raise ValueError(
+            f"set_traced expects a module that fully_shard was applied to (or one holding such "
+            f"modules), got a {type(module).__name__} with none; call fully_shard first"
+        )
+    for state in states:
+        unsupported = _unsupported(state) if traced else []
+        if unsupported:
+            names = ", ".join(type(m).__name__ for m in state.modules)
+            raise NotImplementedError(
+                f"fsdp2 traced mode does not support {', '.join(unsupported)} (in the "
+                f"fully_shard call on {names}); keep the eager hooks for this model and "
+                "compile each block instead (see docs/compile.md)"
+            )
+    for state in states:
+        if traced and state.group is not None:
+            state.group.reshard()  # gathered tensors of an eager step would go stale
+        if traced:
+            requested = state.requested_reshard_after_forward
+            is_root = any(m is module for m in state.modules)
+            state.reshard_after_forward = (not is_root) if requested is None else bool(requested)
+        state.traced = traced
+
+
+def traced_forward(
+    state: FSDPState, call: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``call(*args, **kwargs)`` (the module's forward) with its group's parameters gathered."""
+    group = state.group
+    if group is None:
+        return call(*args, **kwargs)
+    shards = [p.sharded_param for p in group.fsdp_params]
+    if state.reshard_after_forward and torch.is_grad_enabled():
+        context = functools.partial(create_selective_checkpoint_contexts, _recompute_everything)
+        fulls = checkpoint(_gather, group, *shards, use_reentrant=False, context_fn=context)
+    else:
+        fulls = _gather(group, *shards)
+    for fsdp_param, full in zip(group.fsdp_params, fulls, strict=True):
+        for params, name in fsdp_param.slots:
+            params[name] = full
+    try:
+        return call(*args, **kwargs)
+    finally:
+        for fsdp_param in group.fsdp_params:
+            for params, name in fsdp_param.slots:
+                params[name] = fsdp_param.sharded_param
+
+
+def _gather(group: FSDPParamGroup, *shards: torch.Tensor) -> list[torch.Tensor]:
+    """Every parameter of ``group`` in full, from the sharded ``DTensor`` parameters ``shards``
+    (see [Note: traced gather])."""
+    pieces = []
+    for fsdp_param, shard in zip(group.fsdp_params, shards, strict=True):
+        local = shard.to_local()
+        if fsdp_param.dim:
+            local = local.movedim(fsdp_param.dim, 0)
+        local = local.reshape(-1)
+        padding = fsdp_param.chunk_numel - local.numel()
+        pieces.append(F.pad(local, (0, padding)) if padding else local)
+    flat = torch.cat(pieces)  # 1-D, this rank's padded shard of every parameter
+    shard_group = group.info.shard_group
+    if shard_group is None:
+        raise AssertionError(f"traced gather of '{group.label}' needs a shard group")
+    factor = group.divide_factor or float(group.world)
+    gathered = _GatherShards.apply(flat, group.world, shard_group.group_name, factor)
+    chunks = [p.chunk_numel for p in group.fsdp_params]
+    columns = gathered.view(group.world, group.shard_numel).split(chunks, dim=1)
+    fulls = []
+    for fsdp_param, column in zip(group.fsdp_params, columns, strict=True):
+        full = column.reshape(-1)[: fsdp_param.numel].view(fsdp_param.layout_shape)
+        fulls.append(fsdp_param.param_order(full))
+    return fulls
+
+
+class _GatherShards(torch.autograd.Function):
+    """Forward: all-gather every rank's flat shard, rank-major (``world * shard_numel``).
+    Backward: reduce-scatter (sum) the gradient of that, and divide by ``factor``."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, flat: torch.Tensor, world: int, group_name: str, factor: float
+    ) -> torch.Tensor:
+        ctx.world, ctx.group_name, ctx.factor = world, group_name, factor
+        return _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, world, group_name))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        reduced = _c10d.reduce_scatter_tensor(grad.contiguous(), "sum", ctx.world, ctx.group_name)
+        return _c10d.wait_tensor(reduced) / ctx.factor, None, None, None
+
+
+def _recompute_everything(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _unsupported(state: FSDPState) -> list[str]:
+    """The features of ``state`` that traced mode does not implement."""
+    group = state.group
+    if group is None:
+        return []
+    found = []
+    info = group.info
+    if info.replicate_group is not None or info.shard_group is None:
+        found.append("HSDP or replicate-only meshes")
+    if any(p.outer_spec is not None for p in group.fsdp_params):
+        found.append("tensor-parallel (DTensor) parameters")
+    if any(not p.shape for p in group.fsdp_params):
+        found.append("0-d parameters")
+    mixed = group.param_dtype != group.dtype or group.reduce_dtype != group.dtype
+    if mixed or state.input_dtype is not None or state.output_dtype is not None:
+        found.append("mixed precision")
+    if group.offload is not None:
+        found.append("CPU offload")
+    if group.partial_group is not None:
+        found.append("reshard_after_forward=<int>")
+    if group.custom_all_gather is not None or group.custom_reduce_scatter is not None:
+        found.append("custom collectives")
+    if group.all_reduce_hook is not None:
+        found.append("an all-reduce hook")
+    if not group.reduce_grads_enabled:
+        found.append("set_requires_gradient_sync(False)")
+    return found
+
+
+def _states_under(module: nn.Module) -> list[FSDPState]:
+    found: list[FSDPState] = []
+    for sub in module.modules():
+        state = sub.__dict__.get("_fsdp2_state")
+        if state is not None and state not in found:
+            found.append(state)
+    return found
