@@ -10,6 +10,7 @@ contributes it as a one-element chunk, so it still rides in the group's single c
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from enum import Enum, auto
 
@@ -69,6 +70,7 @@ class FSDPParam:
         self.unsharded_param: nn.Parameter  # plain tensor viewing the unsharded buffer
         self.grad_node: torch.autograd.graph.Node | None = None  # AccumulateGrad, kept alive
         self.unreduced: torch.Tensor | None = None  # no-sync gradient sum, in reduce_dtype
+        self._grad_wrapper: DTensor | None = None  # see make_grad
 
     def plan(self, info: MeshInfo) -> None:
         """Fix this rank's chunk: ``chunk_numel`` (padded, equal on all ranks) and the real part,
@@ -170,8 +172,17 @@ class FSDPParam:
         return self.param_order(flat[start : start + self.local_numel].view(self.local_shape))
 
     def make_grad(self, local: torch.Tensor) -> DTensor:
-        """A gradient with the sharded parameter's placement, wrapping ``local`` without a copy."""
-        return DTensor(local, self.sharded_param._spec, requires_grad=False)
+        """A gradient with the sharded parameter's placement, wrapping ``local`` without a copy.
+
+        Building a DTensor costs more than the rest of a small parameter's backward, so the last
+        wrapper is reused, but only when nothing outside fsdp2 still holds it (after
+        ``zero_grad(set_to_none=True)`` dropped it): then nobody can see it change."""
+        cached = self._grad_wrapper
+        if cached is not None and sys.getrefcount(cached) == 2:  # our attribute + the argument
+            cached._local_tensor = local
+            return cached
+        self._grad_wrapper = DTensor(local, self.sharded_param._spec, requires_grad=False)
+        return self._grad_wrapper
 
     def __repr__(self) -> str:
         return f"FSDPParam({self.fqn}, shape={tuple(self.shape)}, chunk={self.chunk_numel})"

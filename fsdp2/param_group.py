@@ -58,7 +58,7 @@ class PendingReduce:
         self,
         group: FSDPParamGroup,
         pending: Pending,
-        out: torch.Tensor,
+        out: torch.Tensor | None,
         params: list[FSDPParam],
         keep_alive: object,
         use_sum: bool,
@@ -72,6 +72,9 @@ class PendingReduce:
 
     def finish(self) -> list[tuple[FSDPParam, torch.Tensor]]:
         self.pending.wait()
+        if self.out is None:  # one rank, nothing to reduce: the gradients are the shards
+            grads, self.keep_alive = self.keep_alive, None
+            return self.group.own_shards(self.params, grads)  # type: ignore[arg-type]
         self.keep_alive = None
         return self.group.finish_reduce(self.out, self.params, self.use_sum)
 
@@ -395,6 +398,9 @@ class FSDPParamGroup:
             return None
         grads = [self._take_grad(p) for p in params]
         use_sum = self.divide_factor is not None or self.force_sum_reduction
+        if self.world == 1 and self.info.replicate_group is None and not use_sum:
+            if self.all_reduce_hook is None:
+                return PendingReduce(self, Pending(None), None, params, grads, use_sum)
         if self.world == 1:
             out = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0]
             out = out.reshape(-1).to(self.reduce_dtype)
@@ -483,6 +489,16 @@ class FSDPParamGroup:
             shards.append((fsdp_param, fsdp_param.local_view(out, start)))
             start += fsdp_param.chunk_numel
         return shards
+
+    def own_shards(
+        self, params: list[FSDPParam], grads: list[torch.Tensor]
+    ) -> list[tuple[FSDPParam, torch.Tensor]]:
+        """With one rank and no replicas, each whole gradient is the shard: no copy, no cut."""
+        device, dtype = self.sharded_flat.device, self.dtype
+        return [
+            (p, p.param_order(g.reshape(p.local_shape)).to(device, dtype))
+            for p, g in zip(params, grads, strict=True)
+        ]
 
     def __repr__(self) -> str:
         return f"FSDPParamGroup({self.label!r}, {self.state.name}, {len(self.fsdp_params)} params)"

@@ -131,7 +131,7 @@ def check_state_dict(module: nn.Module, state_dict: Mapping[str, Any], strict: b
     if unexpected:
         lines.append(f"  unexpected keys ({len(unexpected)}): {', '.join(unexpected)}")
     if mismatched:
-        lines.append(f"  wrong values ({len(mismatched)}): {'; '.join(mismatched)}")
+        lines.append(f"  bad values ({len(mismatched)}): {'; '.join(mismatched)}")
     if missing or unexpected:
         lines.append("Pass strict=False to load a subset of the keys; shapes must match anyway.")
     raise RuntimeError("\n".join(lines))
