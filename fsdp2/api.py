@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable
 from types import MethodType
 from typing import Any, overload
@@ -152,14 +151,20 @@ def _apply(
         FSDPParamGroup(params, fulls, info, device, label, mp_policy, offload) if params else None
     )
     del fulls
+    # Resolved (and validated) before the first change to the modules: a rejected value leaves
+    # them as they were, ready for a corrected call.
+    reshard_after_forward = _resolve_reshard_after_forward(reshard_after_forward, info, group)
     for fsdp_param in params:
         fsdp_param.register(fsdp_param.sharded_param)
+    for param in slots:
+        # A tied copy of this parameter outside these modules keeps the original object: mark
+        # it, so that the fully_shard call that meets it there refuses (see _managed_params).
+        param._fsdp2_owner = label  # type: ignore[attr-defined]
     for managed in _managed_modules(modules):
         for name, buf in managed._buffers.items():
             # A meta buffer has no data to move: to_empty() materialises it with the parameters.
             if buf is not None and buf.device != device and buf.device.type != "meta":
                 managed._buffers[name] = buf.to(device)
-    reshard_after_forward = _resolve_reshard_after_forward(reshard_after_forward, info, group)
     state = FSDPState(modules, group, reshard_after_forward, mp_policy)
     prefix = "FSDP" if kind is FSDPModule else kind.__name__.removesuffix("Module")
     for mod in modules:
@@ -327,12 +332,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Run fsdp2's forward hooks around ``module.<method_name>`` too (e.g. ``generate``)."""
     state = state_of(module)
     if state is None:
-        warnings.warn(
-            f"register_fsdp_forward_method: {type(module).__name__} is not an FSDPModule; "
-            "nothing registered",
-            stacklevel=2,
-        )
-        return
+        return  # as in torch: the same code runs with and without fsdp2
     if not hasattr(module, method_name):
         raise ValueError(f"{type(module).__name__} has no method {method_name!r}")
     method = getattr(type(module), method_name)

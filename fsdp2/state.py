@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch._compile import _disable_dynamo
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -72,10 +73,13 @@ class IterContext:
 
     def record(self, group: FSDPParamGroup) -> FSDPParamGroup | None:
         """Note that ``group`` runs now; return the group expected to run next, if known."""
-        if group.seen_in != self.iteration:
-            group.seen_in = self.iteration
-            group.order_index = len(self.recording)
-            self.recording.append(group)
+        if group.seen_in == self.iteration:
+            # A repeated call (a chunked loss calling the head again): the group after its first
+            # call has most likely run already, and gathering it again would only hold memory.
+            return None
+        group.seen_in = self.iteration
+        group.order_index = len(self.recording)
+        self.recording.append(group)
         order = self.forward_order
         index = group.order_index + 1
         if index < len(order) and order[index - 1] is group:
@@ -206,7 +210,7 @@ class FSDPState:
 
     # Dynamo never traces the hooks: their collectives, storage resizing and autograd hooks
     # run eagerly, and a compiled region breaks its graph around them (docs/compile.md).
-    @torch._disable_dynamo
+    @_disable_dynamo
     def pre_forward(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -234,7 +238,7 @@ class FSDPState:
             following.unshard()
         return args, kwargs
 
-    @torch._disable_dynamo
+    @_disable_dynamo
     def post_forward(self, output: Any) -> Any:
         if self.output_dtype is not None:
             output = _cast_floats(output, self.output_dtype)
