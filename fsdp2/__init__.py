@@ -9,6 +9,7 @@ from fsdp2.api import (
     share_comm_ctx,
 )
 from fsdp2.full_params import summon_full_params
+from fsdp2.grad_scaler import ShardedGradScaler
 from fsdp2.policies import (
     CPUOffloadPolicy,
     DataParallelMeshDims,
@@ -22,6 +23,7 @@ __all__ = [
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "ShardedGradScaler",
     "UnshardHandle",
     "fully_shard",
     "register_fsdp_forward_method",

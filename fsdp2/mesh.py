@@ -164,11 +164,15 @@ def sharded_layout(
         shard_axis = names.index(dp_names[info.shard_axis]) if info.shard_axis is not None else None
     if shard_axis is None:
         return mesh, tuple(placements)
-    # Tensor parallelism split dim 0 first and fsdp2 splits the local piece again: for a TP
+    # Tensor parallelism split the dim first and fsdp2 splits the local piece again: for a TP
     # axis after the data-parallel one in the mesh, DTensor calls that order strided.
     split = 1
     for axis in range(shard_axis + 1, mesh.ndim):
         if isinstance(inner, Shard) and placements[axis] == Shard(inner.dim):
             split *= mesh.size(axis)
-    placements[shard_axis] = _StridedShard(0, split_factor=split) if split > 1 else inner
+    placements[shard_axis] = (
+        _StridedShard(inner.dim, split_factor=split)
+        if isinstance(inner, Shard) and split > 1
+        else inner
+    )
     return mesh, tuple(placements)

@@ -1,0 +1,410 @@
+"""Meshes: HSDP, replicate-only (DDP semantics), ``shard_placement_fn`` and ``ignored_params``.
+
+Every layout trains an `MLPStack` (a group per block, then the root) side by side with an
+unsharded reference (`tests/dp_parity.py`) and pins the collectives each step issues: which kind,
+over how many ranks, and the bytes that show whether a gradient all-reduce moves a shard (HSDP)
+or whole parameters (replicate). Error messages are pinned in the test process on a 1-rank group
+(regenerate with ``EXPECTTEST_ACCEPT=1 python -m pytest tests/test_meshes.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import expecttest
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+import fsdp2
+from fsdp2 import DataParallelMeshDims
+from fsdp2.collectives import record_collectives
+from tests.dp_parity import (
+    count,
+    full,
+    global_batch,
+    kinds,
+    local_batch,
+    same_on_all_ranks,
+    train_side_by_side,
+)
+from tests.harness import fsdp_api, init_local_process_group, run_on_ranks
+from tests.models import MODELS, MLPStack, build_model
+
+SEED = 1234
+MLP_BATCH = MODELS["mlp"].make_batch
+GROUPS = ["blocks.0", "blocks.1", "blocks.2", ""]  # one per fully_shard call, the root last
+NUM_MICRO = 3
+
+
+def mlp_pair() -> tuple[MLPStack, MLPStack]:
+    torch.manual_seed(SEED)
+    model = MLPStack()
+    return model, copy.deepcopy(model)
+
+
+def shard_mlp(
+    model: nn.Module, apply: Callable[..., Any] = fsdp2.fully_shard, **kwargs: Any
+) -> None:
+    for block in model.blocks:  # type: ignore[union-attr]
+        apply(block, **kwargs)
+    apply(model, **kwargs)
+
+
+def check_layout(
+    model: nn.Module, ref: nn.Module, placements: tuple[Placement, ...], shard_rank: int, world: int
+) -> None:
+    """Every parameter has ``placements`` and holds its ``torch.chunk`` of dim 0 (all of it
+    when nothing is sharded)."""
+    for (name, p), ref_p in zip(model.named_parameters(), ref.parameters(), strict=True):
+        if not isinstance(p, DTensor) or tuple(p.placements) != placements:
+            raise AssertionError(f"{name}: {p!r}, expected placements {placements}")
+        expected = ref_p.detach().chunk(world)[shard_rank] if world > 1 else ref_p.detach()
+        torch.testing.assert_close(p.to_local(), expected, rtol=0, atol=0)
+
+
+def nbytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+# ---------------------------------------------------------------------------------------------
+# HSDP: (replicate, shard) meshes, reduce-scatter then all-reduce
+# ---------------------------------------------------------------------------------------------
+
+# layout -> (mesh dim names, dp_mesh_dims). Without dp_mesh_dims, a 2-D mesh is (replicate,
+# shard) by position; dp_mesh_dims picks the axes by name, in either order.
+HSDP_LAYOUTS: dict[str, tuple[tuple[str, str], DataParallelMeshDims | None]] = {
+    "mesh": (("replicate", "shard"), None),
+    "dp_mesh_dims": (
+        ("replicate", "shard"),
+        DataParallelMeshDims(shard="shard", replicate="replicate"),
+    ),
+    "dp_mesh_dims_swapped": (
+        ("shard", "replicate"),
+        DataParallelMeshDims(shard="shard", replicate="replicate"),
+    ),
+}
+
+
+def _hsdp(layout: str, knob: str | None) -> dict[str, Any]:
+    names, dims = HSDP_LAYOUTS[layout]
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
+    model, ref = mlp_pair()
+    shard_mlp(model, mesh=mesh, dp_mesh_dims=dims)
+    placements: list[Placement] = [Replicate(), Replicate()]
+    placements[names.index("shard")] = Shard(0)
+    check_layout(model, ref, tuple(placements), mesh.get_local_rank("shard"), 2)
+
+    def turn_knob(step: int, micro: int) -> None:
+        last = micro == NUM_MICRO - 1
+        if knob == "requires_all_reduce":
+            model.set_requires_all_reduce(last)  # type: ignore[operator]
+        elif knob == "requires_gradient_sync":
+            model.set_requires_gradient_sync(last)  # type: ignore[operator]
+
+    # Every rank is a data-parallel rank: 4 slices of the global batch.
+    result = train_side_by_side(
+        model,
+        ref,
+        MLP_BATCH,
+        dp_rank=dist.get_rank(),
+        dp_size=4,
+        num_micro=NUM_MICRO if knob else 1,
+        before_micro=turn_knob,
+    )
+    records = result.records[-1]
+    # The all-reduce runs on the reduce-scatter's output: a shard, not the whole gradient.
+    rs_bytes = {r.label: r.output_nbytes for r in records if r.kind == "reduce_scatter"}
+    ar_bytes = {r.label: r.input_nbytes for r in records if r.kind == "all_reduce"}
+    return {
+        "kinds": [kinds(r) for r in result.records],
+        "all_reduces": count(records, "all_reduce"),
+        "same_bytes": rs_bytes == ar_bytes,
+    }
+
+
+@pytest.mark.parametrize("layout", list(HSDP_LAYOUTS))
+def test_hsdp_parity_and_collectives(layout: str) -> None:
+    # Per group: a gather in forward (and again in backward for the blocks, resharded after
+    # forward), a reduce-scatter over the 2 shard ranks, an all-reduce over the 2 replicas.
+    expected = Counter({("all_gather", 2): 4 + 3, ("reduce_scatter", 2): 4, ("all_reduce", 2): 4})
+    for result in run_on_ranks(4, _hsdp, layout, None):
+        assert result["kinds"] == [expected] * 3
+        assert result["all_reduces"] == Counter(GROUPS)
+        assert result["same_bytes"]
+
+
+@pytest.mark.parametrize(
+    ("knob", "num_reduce_scatters"),
+    [
+        # Reduce-scatter every micro-step, add up the shards, all-reduce the sum once.
+        ("requires_all_reduce", 4 * NUM_MICRO),
+        # No communication at all until the last micro-step reduces the local sum.
+        ("requires_gradient_sync", 4),
+    ],
+)
+def test_hsdp_accumulation_defers_all_reduce(knob: str, num_reduce_scatters: int) -> None:
+    expected = Counter(
+        {
+            ("all_gather", 2): 7 * NUM_MICRO,
+            ("reduce_scatter", 2): num_reduce_scatters,
+            ("all_reduce", 2): 4,
+        }
+    )
+    for result in run_on_ranks(4, _hsdp, "mesh", knob):
+        assert result["kinds"] == [expected] * 3
+        assert result["all_reduces"] == Counter(GROUPS)
+
+
+# ---------------------------------------------------------------------------------------------
+# Replicate-only: whole parameters on every rank, gradients all-reduced
+# ---------------------------------------------------------------------------------------------
+
+
+def _replicate(how: str) -> dict[str, Any]:
+    model, ref = mlp_pair()
+    if how == "replicate":
+        shard_mlp(model, fsdp2.replicate)
+    else:  # a named mesh whose only data-parallel dim replicates: DDP through either call
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+        apply = fsdp2.replicate if how == "replicate_dp_mesh_dims" else fsdp2.fully_shard
+        shard_mlp(model, apply, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate="dp"))
+    check_layout(model, ref, (Replicate(),), 0, 1)
+    result = train_side_by_side(model, ref, MLP_BATCH, dp_rank=dist.get_rank(), dp_size=4)
+    whole = {f"blocks.{i}": nbytes(block) for i, block in enumerate(model.blocks)}
+    whole[""] = nbytes(model.head)  # the root's own parameters
+    ar_bytes = {r.label: r.input_nbytes for r in result.records[-1] if r.kind == "all_reduce"}
+    return {
+        "class": type(model).__name__,
+        "kinds": [kinds(r) for r in result.records],
+        "all_reduces": count(result.records[-1], "all_reduce"),
+        "whole_gradients": ar_bytes == whole,
+    }
+
+
+@pytest.mark.parametrize(
+    ("how", "class_name"),
+    [
+        ("replicate", "ReplicateMLPStack"),
+        ("replicate_dp_mesh_dims", "ReplicateMLPStack"),
+        ("fully_shard_dp_mesh_dims", "FSDPMLPStack"),
+    ],
+)
+def test_replicate_parity_and_collectives(how: str, class_name: str) -> None:
+    for result in run_on_ranks(4, _replicate, how):
+        assert result["class"] == class_name
+        # No gather (every rank holds everything) and one all-reduce per module, of its
+        # whole gradients.
+        assert result["kinds"] == [Counter({("all_reduce", 4): 4})] * 3
+        assert result["all_reduces"] == Counter(GROUPS)
+        assert result["whole_gradients"]
+
+
+# ---------------------------------------------------------------------------------------------
+# shard_placement_fn: shard another dim, uneven sizes included
+# ---------------------------------------------------------------------------------------------
+
+
+def _shard_dim(name: str, dim: int) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, ref = build_model(name, SEED), build_model(name, SEED)
+
+    def placement(p: nn.Parameter) -> Shard | None:
+        # dim 1 where there is one (1-D parameters keep the default); a negative dim for all.
+        return Shard(dim) if dim < 0 or p.ndim > dim else None
+
+    for unit in MODELS[name].shard_units(model):
+        fsdp2.fully_shard(unit, shard_placement_fn=placement)
+    fsdp2.fully_shard(model, shard_placement_fn=placement)
+    layouts = {}
+    for (fqn, p), ref_p in zip(model.named_parameters(), ref.parameters(), strict=True):
+        choice = placement(ref_p)
+        sharded = choice.dim % ref_p.ndim if choice is not None else 0
+        chunks = ref_p.detach().chunk(world, dim=sharded)
+        expected = chunks[rank] if rank < len(chunks) else ref_p.detach().narrow(sharded, 0, 0)
+        assert isinstance(p, DTensor) and p.placements == (Shard(sharded),), (fqn, p)
+        torch.testing.assert_close(p.to_local(), expected, rtol=0, atol=0)
+        layouts[fqn] = tuple(p.to_local().shape)
+    if name == "mlp":  # even sizes: torch's fully_shard takes them too and must agree
+        torch_model = build_model(name, SEED)
+        for unit in MODELS[name].shard_units(torch_model):
+            fsdp_api("torch").fully_shard(unit, shard_placement_fn=placement)
+        fsdp_api("torch").fully_shard(torch_model, shard_placement_fn=placement)
+        for (fqn, p), tp in zip(model.named_parameters(), torch_model.parameters(), strict=True):
+            assert tp.placements == p.placements, (fqn, tp.placements, p.placements)
+            torch.testing.assert_close(tp.to_local(), p.to_local(), rtol=0, atol=0)
+    train_side_by_side(model, ref, MODELS[name].make_batch, dp_rank=rank, dp_size=world)
+    return layouts
+
+
+@pytest.mark.parametrize(
+    ("name", "world_size", "dim"), [("mlp", 4, 1), ("odd_shapes", 2, 1), ("odd_shapes", 4, -1)]
+)
+def test_shard_placement_fn_parity(name: str, world_size: int, dim: int) -> None:
+    layouts = run_on_ranks(world_size, _shard_dim, name, dim)
+    if name == "odd_shapes" and world_size == 4:
+        # blocks.i.a is (5, 3): its 3 columns make chunks of 1, 1, 1 and an empty one.
+        assert [lay["blocks.0.a"] for lay in layouts] == [(5, 1), (5, 1), (5, 1), (5, 0)]
+
+
+# ---------------------------------------------------------------------------------------------
+# ignored_params: not sharded, not moved, not reduced
+# ---------------------------------------------------------------------------------------------
+
+
+def _ignored() -> dict[str, Any]:
+    rank = dist.get_rank()
+    model, ref = mlp_pair()
+    local_ref = copy.deepcopy(ref)
+    ignored = model.blocks[0][0].weight
+    data_ptr = ignored.data_ptr()
+    for block in model.blocks:
+        fsdp2.fully_shard(block, ignored_params={ignored})
+    fsdp2.fully_shard(model, ignored_params={ignored})
+    assert model.blocks[0][0].weight is ignored and not isinstance(ignored, DTensor)
+    assert ignored.data_ptr() == data_ptr
+    with record_collectives() as records:
+        model(*local_batch(MLP_BATCH, 0, 0, rank)).backward()
+    ref(*global_batch(MLP_BATCH, 0, 0, dist.get_world_size())).backward()
+    local_ref(*local_batch(MLP_BATCH, 0, 0, rank)).backward()
+    for (name, p), ref_p, local_p in zip(
+        model.named_parameters(), ref.parameters(), local_ref.parameters(), strict=True
+    ):
+        # The ignored weight's gradient is this rank's own, as if there were no FSDP.
+        expected = local_p.grad if p is ignored else ref_p.grad
+        assert expected is not None and p.grad is not None, name
+        torch.testing.assert_close(full(p.grad), expected, msg=lambda m, n=name: f"{n}: {m}")
+    assert isinstance(ignored.grad, torch.Tensor) and not isinstance(ignored.grad, DTensor)
+    try:
+        same_on_all_ranks(ignored.grad.tolist())
+    except AssertionError:
+        grads_differ = True
+    else:
+        grads_differ = False
+    return {
+        "grads_differ": grads_differ,
+        "bytes": sorted({(r.kind, r.input_nbytes) for r in records if r.label == "blocks.0"}),
+    }
+
+
+def test_ignored_params() -> None:
+    for result in run_on_ranks(2, _ignored):
+        assert result["grads_differ"]
+        # blocks.0 gathers and reduces only its bias: 16 floats, 8 per rank.
+        assert result["bytes"] == [("all_gather", 8 * 4), ("reduce_scatter", 16 * 4)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Error messages
+# ---------------------------------------------------------------------------------------------
+
+
+def raised(fn: Callable[[], Any]) -> str:
+    """``"<ExceptionType>: <message>"`` of what ``fn`` raises: the type is part of the contract."""
+    try:
+        fn()
+    except Exception as e:  # any type: the caller pins which
+        return f"{type(e).__name__}: {e}"
+    raise AssertionError(f"{fn} did not raise")
+
+
+def linear() -> nn.Linear:
+    torch.manual_seed(0)
+    return nn.Linear(4, 2)
+
+
+class TestMeshErrors(expecttest.TestCase):
+    @classmethod
+    def setUpClass(cls) -> None:
+        init_local_process_group()
+
+    def shard(self, mesh: DeviceMesh, **kwargs: Any) -> str:
+        return raised(lambda: fsdp2.fully_shard(linear(), mesh=mesh, **kwargs))
+
+    def test_dp_mesh_dims_on_unnamed_mesh(self) -> None:
+        mesh = init_device_mesh("cpu", (1, 1))
+        self.assertExpectedInline(
+            self.shard(mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp")),
+            """ValueError: dp_mesh_dims names mesh dims (shard=('dp',)), but the mesh has no dim names. Build it with init_device_mesh(..., mesh_dim_names=(...))""",
+        )
+
+    def test_dp_mesh_dims_names_missing_dim(self) -> None:
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+        self.assertExpectedInline(
+            self.shard(mesh, dp_mesh_dims=DataParallelMeshDims(shard="fsdp")),
+            """ValueError: dp_mesh_dims shard='fsdp' is not a dim of the mesh; its dims are ('dp', 'tp')""",
+        )
+
+    def test_dp_mesh_dims_flattening(self) -> None:
+        mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("a", "b", "tp"))
+        self.assertExpectedInline(
+            self.shard(mesh, dp_mesh_dims=DataParallelMeshDims(shard=("a", "b"))),
+            """NotImplementedError: dp_mesh_dims shard=('a', 'b'): flattening several mesh dims into one is not supported yet; flatten them first (mesh[names]._flatten()) and name the result""",
+        )
+
+    def test_dp_mesh_dims_empty(self) -> None:
+        self.assertExpectedInline(
+            raised(DataParallelMeshDims),
+            """ValueError: DataParallelMeshDims needs shard=..., replicate=... or both; got neither""",
+        )
+
+    def test_3d_mesh_without_dp_mesh_dims(self) -> None:
+        mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("a", "b", "tp"))
+        self.assertExpectedInline(
+            self.shard(mesh),
+            """ValueError: fully_shard expects a 1-D mesh (FSDP) or a 2-D mesh (HSDP: replicate, shard), got a 3-D mesh of shape (1, 1, 1). Pass mesh['dp'] (or a 2-D slice), or name the data-parallel dims of the full mesh with dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...)""",
+        )
+
+    def test_replicate_on_2d_mesh(self) -> None:
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+        self.assertExpectedInline(
+            raised(lambda: fsdp2.replicate(linear(), mesh=mesh)),
+            """ValueError: replicate expects a 1-D mesh, got a 2-D mesh of shape (1, 1); name its data-parallel dim with dp_mesh_dims=DataParallelMeshDims(replicate=...)""",
+        )
+
+    def test_replicate_with_a_shard_dim(self) -> None:
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+        dims = DataParallelMeshDims(shard="dp")
+        self.assertExpectedInline(
+            raised(lambda: fsdp2.replicate(linear(), mesh=mesh, dp_mesh_dims=dims)),
+            """ValueError: replicate() takes replicate-only dims; dp_mesh_dims names a shard dim (DataParallelMeshDims(shard='dp', replicate=None)). Use fully_shard() to shard""",
+        )
+
+    def test_shard_placement_fn_bad_dim(self) -> None:
+        mesh = init_device_mesh("cpu", (1,))
+        self.assertExpectedInline(
+            self.shard(mesh, shard_placement_fn=lambda p: Shard(2)),
+            """ValueError: shard_placement_fn chose Shard(2) for weight of shape (2, 4), which has no such dim""",
+        )
+        self.assertExpectedInline(
+            self.shard(mesh, shard_placement_fn=lambda p: Shard(-3)),
+            """ValueError: shard_placement_fn chose Shard(-3) for weight of shape (2, 4), which has no such dim""",
+        )
+
+    def test_shard_placement_fn_not_a_shard(self) -> None:
+        mesh = init_device_mesh("cpu", (1,))
+        self.assertExpectedInline(
+            self.shard(mesh, shard_placement_fn=lambda p: Replicate()),
+            """ValueError: shard_placement_fn must return None or a Shard placement for weight, got Replicate()""",
+        )
+
+    def test_shard_placement_fn_other_mesh(self) -> None:
+        # torch's way to put a parameter on another mesh (e.g. MoE experts on their own).
+        from torch.distributed.fsdp._fully_shard._fsdp_common import (
+            FSDPMeshInfo,
+            ShardPlacementResult,
+        )
+
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+        other = init_device_mesh("cpu", (1,), mesh_dim_names=("experts",))
+        result = ShardPlacementResult(Shard(0), FSDPMeshInfo(other, shard_mesh_dim=0))
+        self.assertExpectedInline(
+            self.shard(mesh, shard_placement_fn=lambda p: result),
+            """NotImplementedError: shard_placement_fn put weight on mesh DeviceMesh((experts=1), 'cpu', stride=((),)), not fully_shard's mesh DeviceMesh((dp=1), 'cpu', stride=((),)); one group per mesh is not supported yet: call fully_shard separately for those parameters' modules""",
+        )
