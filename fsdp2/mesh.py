@@ -131,7 +131,7 @@ def _axis_of(mesh: DeviceMesh, names: tuple[str, ...], role: str) -> int | None:
 
 
 def sharded_layout(
-    info: MeshInfo, outer: DTensorSpec | None, inner: Placement
+    info: MeshInfo, outer: DTensorSpec | None, inner: Placement, fqn: str = "a parameter"
 ) -> tuple[DeviceMesh, tuple[Placement, ...]]:
     """The mesh and placements of a sharded parameter whose local tensor is split by ``inner``
     over the shard axis. A plain parameter lives on ``info.mesh``. A DTensor parameter (tensor
@@ -144,7 +144,7 @@ def sharded_layout(
         for axis in (info.shard_axis, info.replicate_axis):
             if axis is not None and not isinstance(placements[axis], Replicate):
                 raise ValueError(
-                    f"a parameter is {placements[axis]} on data-parallel mesh dim {axis}; "
+                    f"{fqn} is {placements[axis]!r} on data-parallel mesh dim {axis}; "
                     "dp_mesh_dims expects parameters replicated over the data-parallel dims"
                 )
         mesh, shard_axis = info.mesh, info.shard_axis
@@ -152,7 +152,7 @@ def sharded_layout(
         mesh = info.mesh._get_root_mesh()
         if outer.mesh._get_root_mesh() != mesh or not mesh.mesh_dim_names:
             raise ValueError(
-                f"a DTensor parameter lives on mesh {outer.mesh}, which is not a named slice of "
+                f"{fqn} is a DTensor on mesh {outer.mesh}, which is not a named slice of "
                 f"the same root mesh as fully_shard's mesh {info.mesh}. Slice both from one "
                 "init_device_mesh(..., mesh_dim_names=(...)), e.g. mesh['dp'] and mesh['tp']"
             )

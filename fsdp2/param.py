@@ -78,13 +78,15 @@ class FSDPParam:
         parameter with that dim moved to the front ("layout order"); see ``param_order``."""
         world, rank, dim = info.shard_size, info.shard_rank, self.dim
         if len(self.shape) == 0:
-            self.mesh, self.placements = sharded_layout(info, self.outer_spec, Replicate())
+            self.mesh, self.placements = sharded_layout(
+                info, self.outer_spec, Replicate(), self.fqn
+            )
             self.chunk_numel = 1
             self.local_shape: tuple[int, ...] = ()
             self.layout_shape: tuple[int, ...] = ()
             self.row_start = 0
             return
-        self.mesh, self.placements = sharded_layout(info, self.outer_spec, Shard(dim))
+        self.mesh, self.placements = sharded_layout(info, self.outer_spec, Shard(dim), self.fqn)
         strided = any(isinstance(pl, _StridedShard) for pl in self.placements)
         rows = self.shape[dim]
         if strided and rows % world:

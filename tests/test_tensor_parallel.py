@@ -266,7 +266,7 @@ class TestTensorParallelErrors(expecttest.TestCase):
         model = parallelize_module(nn.Linear(4, 2), tp, ColwiseParallel())
         self.assertExpectedInline(
             raised(lambda: fsdp2.fully_shard(model, mesh=dp)),
-            """ValueError: a DTensor parameter lives on mesh DeviceMesh((tp=1), 'cpu', stride=((),)), which is not a named slice of the same root mesh as fully_shard's mesh DeviceMesh((dp=1), 'cpu', stride=((),)). Slice both from one init_device_mesh(..., mesh_dim_names=(...)), e.g. mesh['dp'] and mesh['tp']""",
+            """ValueError: weight is a DTensor on mesh DeviceMesh((tp=1), 'cpu', stride=((),)), which is not a named slice of the same root mesh as fully_shard's mesh DeviceMesh((dp=1), 'cpu', stride=((),)). Slice both from one init_device_mesh(..., mesh_dim_names=(...)), e.g. mesh['dp'] and mesh['tp']""",
         )
 
     def test_dp_mesh_dims_parameter_sharded_on_dp(self) -> None:
@@ -278,7 +278,7 @@ class TestTensorParallelErrors(expecttest.TestCase):
         dims = DataParallelMeshDims(shard="dp")
         self.assertExpectedInline(
             raised(lambda: fsdp2.fully_shard(model, mesh=mesh, dp_mesh_dims=dims)),
-            """ValueError: a parameter is S(0) on data-parallel mesh dim 0; dp_mesh_dims expects parameters replicated over the data-parallel dims""",
+            """ValueError: weight is Shard(dim=0) on data-parallel mesh dim 0; dp_mesh_dims expects parameters replicated over the data-parallel dims""",
         )
 
     def test_reshard_after_forward_int_with_tp(self) -> None:
