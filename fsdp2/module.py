@@ -64,7 +64,7 @@ class FSDPModule:
     ) -> Any:
         # nn.Module copies parameter by parameter and reports bad keys or shapes at the end;
         # check everything first so that a bad state dict leaves the model untouched.
-        check_state_dict(self, state_dict, strict)
+        check_state_dict(self, state_dict, strict)  # type: ignore[arg-type]
         return super().load_state_dict(state_dict, strict=strict, assign=assign)  # type: ignore[misc]
 
     def _get_fsdp_state(self) -> FSDPState:

@@ -1,7 +1,7 @@
 """Traced mode: fsdp2's all-gathers and reduce-scatters as ops inside the compiled graph.
 
 fsdp2's default runtime gathers and reduces from eager hooks around each module's forward and
-backward; ``torch.compile`` cannot see into those, so they stay outside the graph (see
+backward, which dynamo does not trace, so the collectives stay outside any compiled graph (see
 docs/compile.md). ``set_traced(model)`` switches every fsdp2 module under ``model`` to a pure
 function of its sharded parameters instead: before the module's own forward, its group's shards
 are gathered with one functional all-gather (``_c10d_functional.all_gather_into_tensor``), the
@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -64,18 +65,20 @@ def set_traced(module: nn.Module, traced: bool = True) -> None:
             f"set_traced expects a module that fully_shard was applied to (or one holding such "
             f"modules), got a {type(module).__name__} with none; call fully_shard first"
         )
+    fqns = {id(m): fqn or "<root>" for fqn, m in module.named_modules()}
     for state in states:
         unsupported = _unsupported(state) if traced else []
         if unsupported:
-            names = ", ".join(type(m).__name__ for m in state.modules)
+            where = ", ".join(f"{fqns[id(m)]} ({type(m).__name__})" for m in state.modules)
             raise NotImplementedError(
-                f"fsdp2 traced mode does not support {', '.join(unsupported)} (in the "
-                f"fully_shard call on {names}); keep the eager hooks for this model and "
+                f"fsdp2 traced mode does not support {', '.join(unsupported)}, found in the "
+                f"fully_shard call on {where}; keep the eager hooks for this model and "
                 "compile each block instead (see docs/compile.md)"
             )
     for state in states:
         if traced and state.group is not None:
             state.group.reshard()  # gathered tensors of an eager step would go stale
+            state.group.label = ",".join(fqns[id(m)] for m in state.modules)  # as lazy init does
         if traced:
             requested = state.requested_reshard_after_forward
             is_root = any(m is module for m in state.modules)
@@ -90,6 +93,12 @@ def traced_forward(
     group = state.group
     if group is None:
         return call(*args, **kwargs)
+    unsupported = _unsupported(state)  # again: set_* methods may have changed knobs since
+    if unsupported:
+        raise NotImplementedError(
+            f"fsdp2 traced mode does not support {', '.join(unsupported)}, set on {group.label} "
+            "after set_traced; undo that, or call set_traced(model, False) for the eager hooks"
+        )
     shards = [p.sharded_param for p in group.fsdp_params]
     if state.reshard_after_forward and torch.is_grad_enabled():
         context = functools.partial(create_selective_checkpoint_contexts, _recompute_everything)
@@ -112,7 +121,7 @@ def _gather(group: FSDPParamGroup, *shards: torch.Tensor) -> list[torch.Tensor]:
     (see [Note: traced gather])."""
     pieces = []
     for fsdp_param, shard in zip(group.fsdp_params, shards, strict=True):
-        local = shard.to_local()
+        local = cast(DTensor, shard).to_local()
         if fsdp_param.dim:
             local = local.movedim(fsdp_param.dim, 0)
         local = local.reshape(-1)
@@ -123,7 +132,9 @@ def _gather(group: FSDPParamGroup, *shards: torch.Tensor) -> list[torch.Tensor]:
     if shard_group is None:
         raise AssertionError(f"traced gather of '{group.label}' needs a shard group")
     factor = group.divide_factor or float(group.world)
-    gathered = _GatherShards.apply(flat, group.world, shard_group.group_name, factor)
+    gathered = _GatherShards.apply(  # type: ignore[no-untyped-call]
+        flat, group.world, shard_group.group_name, factor
+    )
     chunks = [p.chunk_numel for p in group.fsdp_params]
     columns = gathered.view(group.world, group.shard_numel).split(chunks, dim=1)
     fulls = []
@@ -142,7 +153,8 @@ class _GatherShards(torch.autograd.Function):
         ctx: Any, flat: torch.Tensor, world: int, group_name: str, factor: float
     ) -> torch.Tensor:
         ctx.world, ctx.group_name, ctx.factor = world, group_name, factor
-        return _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, world, group_name))
+        gathered: torch.Tensor = _c10d.all_gather_into_tensor(flat, world, group_name)
+        return _c10d.wait_tensor(gathered)  # type: ignore[no-any-return]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -167,6 +179,8 @@ def _unsupported(state: FSDPState) -> list[str]:
         found.append("tensor-parallel (DTensor) parameters")
     if any(not p.shape for p in group.fsdp_params):
         found.append("0-d parameters")
+    if any(p.extension for p in group.fsdp_params):
+        found.append("all-gather extensions (fsdp_pre_all_gather)")
     mixed = group.param_dtype != group.dtype or group.reduce_dtype != group.dtype
     if mixed or state.input_dtype is not None or state.output_dtype is not None:
         found.append("mixed precision")
