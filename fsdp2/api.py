@@ -90,7 +90,7 @@ def fully_shard(
     _check_modules(modules)
     _check_policies(mp_policy, offload_policy)
     mesh = mesh if mesh is not None else default_mesh()
-    info = mesh_info(mesh, dp_mesh_dims)
+    info = mesh_info(mesh, dp_mesh_dims, who=type(modules[0]).__name__)
     _apply(
         modules,
         info,
@@ -119,7 +119,7 @@ def replicate(
     _check_modules(modules)
     _check_policies(mp_policy, offload_policy)
     mesh = mesh if mesh is not None else default_mesh()
-    info = mesh_info(mesh, dp_mesh_dims, replicate_only=True)
+    info = mesh_info(mesh, dp_mesh_dims, replicate_only=True, who=type(modules[0]).__name__)
     _apply(modules, info, False, mp_policy, offload_policy, ignored_params, ReplicateModule)
     return list(modules) if isinstance(module, list) else modules[0]  # type: ignore[return-value]
 
@@ -153,7 +153,9 @@ def _apply(
     del fulls
     # Resolved (and validated) before the first change to the modules: a rejected value leaves
     # them as they were, ready for a corrected call.
-    reshard_after_forward = _resolve_reshard_after_forward(reshard_after_forward, info, group)
+    reshard_after_forward = _resolve_reshard_after_forward(
+        reshard_after_forward, info, group, label
+    )
     for fsdp_param in params:
         fsdp_param.register(fsdp_param.sharded_param)
     for param in slots:
@@ -175,7 +177,7 @@ def _apply(
 
 
 def _resolve_reshard_after_forward(
-    value: bool | int | None, info: MeshInfo, group: FSDPParamGroup | None
+    value: bool | int | None, info: MeshInfo, group: FSDPParamGroup | None, label: str
 ) -> bool | None:
     """An int k keeps parameters sharded over k ranks after forward: 1 means False, the whole
     shard size means True, and other divisors set up the k-rank groups backward gathers in."""
@@ -184,9 +186,10 @@ def _resolve_reshard_after_forward(
     world = info.shard_size
     divisors = [k for k in range(1, world + 1) if world % k == 0]
     if not isinstance(value, int) or value not in divisors:
+        meaning = "1 means False" if world == 1 else f"1 means False, {world} means True"
         raise ValueError(
-            f"reshard_after_forward={value!r} must be a bool, None, or a divisor of the shard "
-            f"world size {world}: one of {divisors} (1 means False, {world} means True)"
+            f"fully_shard({label}): reshard_after_forward={value!r} must be a bool, None, or a "
+            f"divisor of the shard world size {world}: one of {divisors} ({meaning})"
         )
     if value in (1, world):
         return value == world
@@ -313,8 +316,8 @@ def _check_device(
     if param.device != device and param.device.type not in ("cpu", "meta"):
         raise ValueError(
             f"{fqn} of {type(modules[0]).__name__} is on {param.device}, but the mesh's device is "
-            f"{device}. Move the module to {device} (or to CPU, from where fully_shard moves "
-            "it) before calling fully_shard, or pass a mesh on the parameters' device"
+            f"{device}. Move the module to {device} (or keep it on CPU: fully_shard moves it) "
+            "before calling fully_shard, or pass a mesh on the parameters' device"
         )
 
 

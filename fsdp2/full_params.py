@@ -18,7 +18,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -62,12 +62,14 @@ def summon_full_params(
             "full parameters, so the other ranks would have nothing to write back"
         )
     states = _states_in(module, recurse)
-    _check_idle(states)
+    names = {id(m): n for n, m in module.named_modules()}
+    labels = {id(s): _label(s, names) for s in states}
+    _check_idle(states, labels)
     groups = [s.group for s in states if s.group is not None]
     keep = not rank0_only or dist.get_rank() == 0
     with ExitStack() as stack:
         for state in states:
-            stack.enter_context(_hooks_step_aside(state, keep))
+            stack.enter_context(_hooks_step_aside(state, labels[id(state)], keep))
         for group in groups:
             stack.enter_context(_summon_group(group, writeback, keep, offload_to_cpu))
         yield
@@ -96,23 +98,28 @@ def _states_in(module: nn.Module, recurse: bool) -> list[FSDPState]:
     return states
 
 
-def _check_idle(states: list[FSDPState]) -> None:
+def _label(state: FSDPState, names: dict[int, str]) -> str:
+    """The state's modules as named from the summoned module (its class name for itself)."""
+    return ", ".join(names.get(id(m)) or type(m).__name__ for m in state.modules)
+
+
+def _check_idle(states: list[FSDPState], labels: dict[int, str]) -> None:
     for state in states:
         if state.training_state is not TrainingState.IDLE:
             raise RuntimeError(
                 f"summon_full_params cannot run inside forward or backward: fsdp2 module "
-                f"'{state.fqn or '<root>'}' is in {state.training_state.name}. Call it before "
-                "forward or after backward has finished"
+                f"{labels[id(state)]} is in {state.training_state.name}. Call it before forward "
+                "or after backward has finished"
             )
         if state.group is not None and state.group in _summoned:
             raise RuntimeError(
-                f"summon_full_params is already active on fsdp2 module '{state.fqn or '<root>'}'"
-                "; nesting it on the same module is not supported"
+                f"summon_full_params is already active on fsdp2 module {labels[id(state)]}; "
+                "it cannot be nested over the same module"
             )
 
 
 @contextmanager
-def _hooks_step_aside(state: FSDPState, keep: bool) -> Iterator[None]:
+def _hooks_step_aside(state: FSDPState, label: str, keep: bool) -> Iterator[None]:
     """Shadow ``state``'s forward hooks (an instance attribute hides the method) so a forward
     inside the context computes on the summoned tensors."""
 
@@ -121,7 +128,7 @@ def _hooks_step_aside(state: FSDPState, keep: bool) -> Iterator[None]:
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if not keep:
             raise RuntimeError(
-                f"fsdp2 module '{state.fqn or '<root>'}' ran forward inside "
+                f"fsdp2 module {label} ran forward inside "
                 f"summon_full_params(rank0_only=True) on rank {dist.get_rank()}, which holds "
                 "only its shards; run forward on rank 0 only, or pass rank0_only=False"
             )
@@ -130,12 +137,15 @@ def _hooks_step_aside(state: FSDPState, keep: bool) -> Iterator[None]:
     def post_forward(output: Any) -> Any:
         return output
 
+    traced = state.traced  # the traced forward would gather (and re-register shards) itself
+    state.traced = False
     state.__dict__["pre_forward"] = pre_forward
     state.__dict__["post_forward"] = post_forward
     try:
         yield
     finally:
         del state.__dict__["pre_forward"], state.__dict__["post_forward"]
+        state.traced = traced
 
 
 @contextmanager
@@ -144,14 +154,14 @@ def _summon_group(
 ) -> Iterator[None]:
     group.reshard()
     fulls: list[tuple[FSDPParam, nn.Parameter]] = []
-    for fsdp_param in group.fsdp_params:
-        full = _gather(fsdp_param, group.device, offload_to_cpu)
-        if keep:
-            full_param = nn.Parameter(full, requires_grad=fsdp_param.requires_grad)
-            fsdp_param.register(full_param)
-            fulls.append((fsdp_param, full_param))
     _summoned.add(group)
     try:
+        for fsdp_param in group.fsdp_params:
+            full = _gather(fsdp_param, group.device, offload_to_cpu)
+            if keep:
+                full_param = nn.Parameter(full, requires_grad=fsdp_param.requires_grad)
+                fsdp_param.register(full_param)
+                fulls.append((fsdp_param, full_param))
         yield
         if writeback:  # not after an exception: the shards keep their values then
             _write_back(fulls)
@@ -162,11 +172,15 @@ def _summon_group(
 
 
 def _gather(fsdp_param: FSDPParam, device: torch.device, offload_to_cpu: bool) -> torch.Tensor:
-    sharded = fsdp_param.sharded_param.detach()
+    sharded = cast(DTensor, fsdp_param.sharded_param.detach())
+    shard_ptr = sharded.to_local().untyped_storage().data_ptr()
     if sharded.device != device:  # CPU-offloaded shards gather on the mesh's device
-        sharded = sharded.to(device)
-    full = sharded.full_tensor()
-    return full.cpu() if offload_to_cpu else full
+        sharded = cast(DTensor, sharded.to(device))
+    full: torch.Tensor = sharded.full_tensor()
+    full = full.cpu() if offload_to_cpu else full
+    if full.untyped_storage().data_ptr() == shard_ptr:
+        full = full.clone()  # one rank: the "gathered" tensor is the shard itself
+    return full
 
 
 @torch.no_grad()
@@ -180,7 +194,7 @@ def _write_back(fulls: list[tuple[FSDPParam, nn.Parameter]]) -> None:
                 "`with torch.no_grad(): param.copy_(value)`)"
             )
     for fsdp_param, full_param in fulls:
-        sharded: DTensor = fsdp_param.sharded_param
+        sharded = cast(DTensor, fsdp_param.sharded_param)
         local = sharded.to_local()
         # src_data_rank=None: each rank slices its own full copy, with no communication.
         mine = distribute_tensor(

@@ -66,7 +66,10 @@ def device_of(mesh: DeviceMesh) -> torch.device:
 
 
 def mesh_info(
-    mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims | None = None, replicate_only: bool = False
+    mesh: DeviceMesh,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
+    replicate_only: bool = False,
+    who: str = "the module",
 ) -> MeshInfo:
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard expects mesh to be a DeviceMesh, got {type(mesh).__name__}")
@@ -86,10 +89,15 @@ def mesh_info(
     elif mesh.ndim == 2:
         shard_axis, replicate_axis = 1, 0
     else:
+        names = mesh.mesh_dim_names
+        slice_hint = (
+            f"its data-parallel slice (mesh[name], name one of {names})"
+            if names
+            else "its data-parallel 1-D or 2-D slice"
+        )
         raise ValueError(
-            f"fully_shard expects a 1-D mesh (FSDP) or a 2-D mesh (HSDP: replicate, shard), got "
-            f"a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}. Pass mesh['dp'] (or a 2-D "
-            "slice), or name the data-parallel dims of the full mesh with "
+            f"fully_shard({who}) expects a 1-D mesh (FSDP) or a 2-D mesh (HSDP: replicate, "
+            f"shard), got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}. Pass {slice_hint}, or name the data-parallel dims of the full mesh with "
             "dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...)"
         )
     if replicate_only and shard_axis is not None:

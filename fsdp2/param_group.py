@@ -252,7 +252,8 @@ class FSDPParamGroup:
         if self.sharded_flat.device.type == "meta":
             names = ", ".join(p.fqn for p in self.fsdp_params)
             raise RuntimeError(
-                f"fsdp2 module '{self.label}' has parameters on the meta device ({names}). "
+                f"fsdp2 module {self.label or '<root>'!r} has parameters on the meta device "
+                f"({names}). "
                 "Materialise them before forward: module.to_empty(device=...) and then "
                 "module.reset_parameters() (or your own init)"
             )

@@ -14,7 +14,7 @@ it goes and reports bad keys and shapes only at the end, which would leave a mod
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -54,15 +54,15 @@ def register_state_dict_hooks(module: nn.Module, group: FSDPParamGroup) -> None:
     def after_load(_module: nn.Module, _incompatible: Any) -> None:
         _adopt_assigned(group)
 
-    module.register_state_dict_pre_hook(before_save)
-    module.register_load_state_dict_pre_hook(before_load)
-    module.register_load_state_dict_post_hook(after_load)
+    module.register_state_dict_pre_hook(before_save)  # type: ignore[no-untyped-call]
+    module.register_load_state_dict_pre_hook(before_load)  # type: ignore[no-untyped-call]
+    module.register_load_state_dict_post_hook(after_load)  # type: ignore[no-untyped-call]
 
 
 def _as_shard(value: torch.Tensor, fsdp_param: FSDPParam) -> torch.Tensor:
     """``value`` as a DTensor laid out like the sharded parameter. A wrongly shaped value is left
     as it is, for ``load_state_dict`` to report."""
-    target = fsdp_param.sharded_param
+    target = _dtensor(fsdp_param.sharded_param)
     if target.dim() == 0 and tuple(value.shape) == (1,):
         value = value.reshape(())  # an old checkpoint's scalar (see _shapes_match)
     if tuple(value.shape) != tuple(target.shape):
@@ -72,11 +72,13 @@ def _as_shard(value: torch.Tensor, fsdp_param: FSDPParam) -> torch.Tensor:
         if value.device_mesh == mesh:
             return value.redistribute(mesh, placements)  # no-op in the same layout
         value = value.full_tensor()  # another mesh: go through the full tensor
-    local_device = target.to_local().device
     if value.device.type == "meta":
         return value  # nothing to slice; copying from meta is nn.Module's to refuse
+    # A model still on meta keeps the value's device: load_state_dict(assign=True) materialises.
+    device = target.to_local().device
+    device = value.device if device.type == "meta" else device
     # src_data_rank=None: every rank slices its own copy of the full tensor, no communication.
-    value = value.detach().to(local_device, target.dtype)
+    value = value.detach().to(device, target.dtype)
     return distribute_tensor(value, mesh, placements, src_data_rank=None)
 
 
@@ -90,17 +92,21 @@ def _adopt_assigned(group: FSDPParamGroup) -> None:
         current = owner._parameters.get(name)
         if current is None or current is fsdp_param.sharded_param:
             continue
-        if not isinstance(current, DTensor) or current.placements != (
-            fsdp_param.sharded_param.placements
-        ):
+        placements = _dtensor(fsdp_param.sharded_param).placements
+        if not isinstance(current, DTensor) or current.placements != placements:
             raise AssertionError(
                 f"fsdp2: after load_state_dict, {fsdp_param.fqn} is a {type(current).__name__} "
                 f"with placements {getattr(current, 'placements', None)}; expected a DTensor "
-                f"with placements {fsdp_param.sharded_param.placements}"
+                f"with placements {placements}"
             )
         fsdp_param.sharded_param = current
         fsdp_param.register(current)
     group.rebuild()
+
+
+def _dtensor(param: nn.Parameter) -> DTensor:
+    """A sharded parameter, typed as what it is: an ``nn.Parameter`` wrapping a DTensor."""
+    return cast(DTensor, param)
 
 
 def check_state_dict(module: nn.Module, state_dict: Mapping[str, Any], strict: bool) -> None:

@@ -772,19 +772,19 @@ class TestErrorMessages(expecttest.TestCase):
         msgs = error_messages(4)
         self.assertExpectedInline(
             msgs["reshard_after_forward=3"],
-            """ValueError: reshard_after_forward=3 must be a bool, None, or a divisor of the shard world size 4: one of [1, 2, 4] (1 means False, 4 means True)""",
+            """ValueError: fully_shard(MLPStack): reshard_after_forward=3 must be a bool, None, or a divisor of the shard world size 4: one of [1, 2, 4] (1 means False, 4 means True)""",
         )
         self.assertExpectedInline(
             msgs["reshard_after_forward=0"],
-            """ValueError: reshard_after_forward=0 must be a bool, None, or a divisor of the shard world size 4: one of [1, 2, 4] (1 means False, 4 means True)""",
+            """ValueError: fully_shard(MLPStack): reshard_after_forward=0 must be a bool, None, or a divisor of the shard world size 4: one of [1, 2, 4] (1 means False, 4 means True)""",
         )
         self.assertExpectedInline(
             msgs["reshard_after_forward=-1"],
-            """ValueError: reshard_after_forward=-1 must be a bool, None, or a divisor of the shard world size 4: one of [1, 2, 4] (1 means False, 4 means True)""",
+            """ValueError: fully_shard(MLPStack): reshard_after_forward=-1 must be a bool, None, or a divisor of the shard world size 4: one of [1, 2, 4] (1 means False, 4 means True)""",
         )
         self.assertExpectedInline(
             msgs["reshard_after_forward=2.0"],
-            """ValueError: reshard_after_forward=2.0 must be a bool, None, or a divisor of the shard world size 4: one of [1, 2, 4] (1 means False, 4 means True)""",
+            """ValueError: fully_shard(MLPStack): reshard_after_forward=2.0 must be a bool, None, or a divisor of the shard world size 4: one of [1, 2, 4] (1 means False, 4 means True)""",
         )
 
     def test_rejected_reshard_after_forward_leaves_module_alone(self) -> None:

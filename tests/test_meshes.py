@@ -358,7 +358,7 @@ class TestMeshErrors(expecttest.TestCase):
         mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("a", "b", "tp"))
         self.assertExpectedInline(
             self.shard(mesh),
-            """ValueError: fully_shard expects a 1-D mesh (FSDP) or a 2-D mesh (HSDP: replicate, shard), got a 3-D mesh of shape (1, 1, 1). Pass mesh['dp'] (or a 2-D slice), or name the data-parallel dims of the full mesh with dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...)""",
+            """ValueError: fully_shard(Linear) expects a 1-D mesh (FSDP) or a 2-D mesh (HSDP: replicate, shard), got a 3-D mesh of shape (1, 1, 1). Pass its data-parallel slice (mesh[name], name one of ('a', 'b', 'tp')), or name the data-parallel dims of the full mesh with dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...)""",
         )
 
     def test_replicate_on_2d_mesh(self) -> None:

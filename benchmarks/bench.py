@@ -1,0 +1,306 @@
+"""Step time, peak memory and communication of fsdp2 vs torch's FSDP2 vs DDP vs one process.
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench.py --model mlp-stack
+    python benchmarks/bench.py                          # W=1: per-module overhead only
+
+Every contender trains the same model from the same init on the same global batch (AdamW):
+  fsdp2   fsdp2.fully_shard on each block, then on the root
+  torch   torch.distributed.fsdp.fully_shard, applied the same way
+  ddp     DistributedDataParallel
+  single  the plain model on this rank's slice of the batch, no communication (the lower bound)
+plus a second, separately built `torch` whose distance from the first is the noise floor.
+See benchmarks/README.md for what each column means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import json
+import os
+import statistics
+import sys
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
+from torch import nn
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fsdp2 from this checkout
+from measure import CommCounter, CommCounts, CPUMemory, timed
+from workloads import DEFAULT_SIZES, MODELS, blocks_of, build_model, make_batch, param_bytes
+
+try:
+    from fsdp2 import fully_shard as fsdp2_fully_shard
+except Exception as e:  # fsdp2 may be mid-rewrite: benchmark the others and say why
+    fsdp2_fully_shard, fsdp2_missing = None, f"{type(e).__name__}: {e}"
+
+# ---------------------------------------------------------------------------------------------
+# arguments
+
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+parser.add_argument("--model", choices=MODELS, default="mlp-stack")
+parser.add_argument("--layers", type=int, help="blocks (default: mlp-stack 96, gpt/llama 4)")
+parser.add_argument("--dim", type=int, help="width (default: mlp-stack 64, gpt/llama 128)")
+parser.add_argument("--heads", type=int, help="attention heads (gpt/llama, default 4)")
+parser.add_argument("--seq", type=int, help="sequence length (gpt/llama, default 64)")
+parser.add_argument("--batch", type=int, default=16, help="global batch, split across ranks")
+parser.add_argument("--contenders", default="fsdp2,torch,ddp,single", help="comma-separated")
+parser.add_argument("--warmup", type=int, default=3, help="untimed steps per contender")
+parser.add_argument("--rounds", type=int, default=10, help="interleaved timing rounds (≥5)")
+parser.add_argument("--steps", type=int, default=3, help="steps per contender per round")
+parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+parser.add_argument("--no-memory", action="store_true", help="skip peak memory (needs g++)")
+parser.add_argument("--json", type=Path, help="append one JSON line with all results here")
+args = parser.parse_args()
+
+overrides = {k: v for k in ("layers", "dim", "heads", "seq") if (v := getattr(args, k))}
+size = replace(DEFAULT_SIZES[args.model], **overrides)
+names = args.contenders.split(",")
+if unknown := set(names) - {"fsdp2", "torch", "ddp", "single"}:
+    raise ValueError(f"--contenders: unknown {sorted(unknown)}; pick from fsdp2,torch,ddp,single")
+if args.rounds < 5:
+    raise ValueError(f"--rounds must be at least 5 for a meaningful median, got {args.rounds}")
+
+# ---------------------------------------------------------------------------------------------
+# process group, data
+
+if "RANK" in os.environ:
+    dist.init_process_group("gloo")
+else:  # plain `python benchmarks/bench.py`: one rank, as with --nproc-per-node 1
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+rank, world_size = dist.get_rank(), dist.get_world_size()
+# One thread per rank, also at W=1: these ops are too small for intra-op threads to pay, and on a
+# busy 2-core machine idle OpenMP threads spin against the ranks (W=1 with 2 threads: 10× slower).
+torch.set_num_threads(args.threads)
+if args.batch % world_size:
+    raise ValueError(f"--batch {args.batch} must be divisible by the world size {world_size}")
+inputs, targets = make_batch(args.model, size, args.batch)
+local = slice(rank * args.batch // world_size, (rank + 1) * args.batch // world_size)
+inputs, targets = inputs[local], targets[local]  # every contender sees this rank's slice
+
+if "fsdp2" in names and fsdp2_fully_shard is None:
+    names.remove("fsdp2")
+    if rank == 0:
+        print(f"skipping fsdp2 (not importable yet): {fsdp2_missing}")
+if "torch" in names:
+    names.append("torch#2")  # a second torch, built separately: torch vs torch is the noise floor
+# Compile the allocator counter now, not after a minute of timing (g++, ~15 s the first time).
+cpu_memory = None if args.no_memory else CPUMemory()
+
+# ---------------------------------------------------------------------------------------------
+# contenders
+
+
+@dataclass
+class Contender:
+    name: str
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    loss: float = float("nan")
+
+
+def build(name: str) -> Contender:
+    torch.manual_seed(0)  # same init for every contender
+    model = build_model(args.model, size)
+    if name in ("fsdp2", "torch", "torch#2"):
+        shard = fsdp2_fully_shard if name == "fsdp2" else torch_fully_shard
+        for block in blocks_of(model):
+            shard(block)
+        shard(model)
+    elif name == "ddp":
+        # Our buffers (Llama's rotary table) never change: don't broadcast them every step.
+        new_kwarg = "forward_sync_buffers" in inspect.signature(DDP).parameters
+        model = DDP(model, **{"forward_sync_buffers" if new_kwarg else "broadcast_buffers": False})
+    # foreach: the default on GPU; on CPU torch would pick the one-parameter-at-a-time loop.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    return Contender(name, model, opt)
+
+
+def train_step(c: Contender) -> None:
+    _, loss = c.model(inputs, targets)
+    loss.backward()
+    c.opt.step()
+    c.opt.zero_grad(set_to_none=True)
+    c.loss = loss.item()
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. step time: contenders interleaved round by round, so drift and others' load hit them all
+
+load_before = os.getloadavg()[0]  # other processes on the machine: the main source of noise here
+contenders = [build(n) for n in names]
+for _ in range(args.warmup):
+    for c in contenders:
+        train_step(c)
+step_s: dict[str, list[float]] = {n: [] for n in names}
+for _ in range(args.rounds):
+    gc.collect()  # between measurements, not inside one
+    for c in contenders:
+        step_s[c.name].append(timed(lambda c=c: train_step(c), args.steps))
+losses = {c.name: c.loss for c in contenders}  # same steps taken: fsdp2, torch and ddp agree
+load_after = os.getloadavg()[0]
+
+# ---------------------------------------------------------------------------------------------
+# 2. collectives and their bytes, seen at the dispatcher during one more (untimed) step
+
+comms: dict[str, CommCounts] = {}
+for c in contenders:
+    with CommCounter(world_size) as counter:
+        train_step(c)
+    comms[c.name] = counter.counts
+del contenders, c
+
+# ---------------------------------------------------------------------------------------------
+# 3. memory: count every CPU allocation while building each contender and training it 3 steps
+
+
+def measure_memory(name: str, mem: CPUMemory) -> tuple[int, int]:
+    """(peak bytes during the third step, bytes live when it starts: params + optimizer state)."""
+    gc.collect()
+    base = mem.live_bytes()
+    c = build(name)
+    for _ in range(2):  # the optimizer state exists, DDP has rebuilt its buckets
+        train_step(c)
+    state = mem.live_bytes() - base
+    mem.reset_peak()
+    train_step(c)
+    return mem.peak_bytes() - base, state
+
+
+memory: dict[str, tuple[int, int]] = {}
+if cpu_memory is not None:
+    with cpu_memory:
+        memory = {n: measure_memory(n, cpu_memory) for n in names if n != "torch#2"}
+
+# ---------------------------------------------------------------------------------------------
+# gather to rank 0: a step lasts as long as its slowest rank; memory is kept per rank
+
+per_rank: list[dict[str, dict]] = [{}] * world_size
+dist.all_gather_object(per_rank, {"step_s": step_s, "memory": memory})
+dist.destroy_process_group()
+if rank != 0:
+    sys.exit()
+
+plain = build_model(args.model, size)
+total_bytes = param_bytes([plain])
+block_bytes = param_bytes(list(blocks_of(plain)))
+share = (world_size - 1) / world_size
+# FSDP's least traffic: all-gather each block in forward and again in backward (it reshards after
+# forward), the root once (it stays unsharded for backward), reduce-scatter every gradient once.
+min_wire = {
+    "fsdp": (2 * block_bytes + (total_bytes - block_bytes) + total_bytes) * share,
+    "ddp": 2 * total_bytes * share,  # ring all-reduce of every gradient
+    "single": 0.0,
+}
+
+
+@dataclass
+class Result:
+    step_ms_median: float
+    step_ms_rounds: list[float]  # per round, the slowest rank's
+    peak_bytes_per_rank: list[int] | None  # during a step
+    state_bytes_per_rank: list[int] | None  # between steps: params, optimizer state, buffers
+    collectives_per_step: dict[str, int]
+    payload_bytes_per_step: dict[str, int]  # full tensor: all-gather output, reduce-scatter input
+    wire_bytes_per_step: float  # received per rank, ring algorithm
+    min_wire_bytes_per_step: float
+    loss: float  # rank 0's, after the timed steps
+
+    @property
+    def peak_bytes(self) -> int | None:
+        return max(self.peak_bytes_per_rank) if self.peak_bytes_per_rank else None
+
+
+results: dict[str, Result] = {}
+for n in names:
+    ms = [1e3 * max(r["step_s"][n][i] for r in per_rank) for i in range(args.rounds)]
+    mem = [r["memory"][n] for r in per_rank] if n in memory else None
+    results[n] = Result(
+        step_ms_median=statistics.median(ms),
+        step_ms_rounds=ms,
+        peak_bytes_per_rank=[m[0] for m in mem] if mem else None,
+        state_bytes_per_rank=[m[1] for m in mem] if mem else None,
+        collectives_per_step=comms[n].calls,
+        payload_bytes_per_step=comms[n].payload,
+        wire_bytes_per_step=comms[n].wire,
+        min_wire_bytes_per_step=min_wire.get(n, min_wire["fsdp"]),
+        loss=losses[n],
+    )
+
+# ---------------------------------------------------------------------------------------------
+# report
+
+MiB = 2**20
+
+
+def label(name: str) -> str:
+    return "torch (again)" if name == "torch#2" else name
+
+
+def vs(value: float | None, ref: float | None, unit: str = "×") -> str:
+    return f"{value / ref:.2f}{unit}" if value is not None and ref else "—"
+
+
+torch_ref = results.get("torch")
+title = (
+    f"{args.model}: {total_bytes / MiB:.2f} MiB fp32 params in {len(blocks_of(plain))} blocks + "
+    f"root, global batch {args.batch}, W={world_size} (gloo), {torch.get_num_threads()} "
+    f"thread(s)/rank, torch {torch.__version__}"
+)
+table = Table(title=title)
+columns = ["contender", "median ms", "best ms", "× torch", "peak MiB/rank", "× torch"]
+columns += ["state MiB/rank", "AG/step", "RS/step", "AR/step", "MiB/step/rank", "× minimum"]
+for col in columns:
+    table.add_column(col, justify="left" if col == "contender" else "right")
+for n, r in results.items():
+    state = max(r.state_bytes_per_rank) if r.state_bytes_per_rank else None
+    table.add_row(
+        label(n),
+        f"{r.step_ms_median:.1f}",
+        f"{min(r.step_ms_rounds):.1f}",
+        vs(r.step_ms_median, torch_ref and torch_ref.step_ms_median),
+        f"{r.peak_bytes / MiB:.2f}" if r.peak_bytes is not None else "—",
+        vs(r.peak_bytes, torch_ref and torch_ref.peak_bytes),
+        f"{state / MiB:.2f}" if state is not None else "—",
+        *(str(r.collectives_per_step[k]) for k in ("all_gather", "reduce_scatter", "all_reduce")),
+        f"{r.wire_bytes_per_step / MiB:.3f}",
+        f"{r.wire_bytes_per_step / r.min_wire_bytes_per_step:.3f}×"
+        if r.min_wire_bytes_per_step
+        else "—",
+    )
+console = Console(width=180)  # torchrun pipes stdout: rich would otherwise assume 80 columns
+console.print(table)
+if "torch#2" in results and torch_ref:
+    spread = abs(results["torch#2"].step_ms_median / torch_ref.step_ms_median - 1)
+    console.print(f"noise floor: two torch FSDP2 instances differ by {100 * spread:.1f}% (median)")
+cores = len(os.sched_getaffinity(0))
+console.print(f"load average while timing: {load_before:.1f} → {load_after:.1f} on {cores} cores")
+# Parity: the sharded contenders and DDP trained the same model on the same batches.
+same = {n: r.loss for n, r in results.items() if n != "single"}
+if same:
+    spread = max(same.values()) - min(same.values())
+    listed = ", ".join(f"{label(n)} {v:.6f}" for n, v in same.items())
+    console.print(f"rank 0's loss after the timed steps: {listed} (spread {spread:.1e})")
+if args.json:
+    record = {
+        "model": args.model,
+        "size": asdict(size),
+        "batch": args.batch,
+        "world_size": world_size,
+        "threads_per_rank": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "rounds": args.rounds,
+        "steps_per_round": args.steps,
+        "load_average": [load_before, load_after],
+        "param_bytes": total_bytes,
+        "results": {n: asdict(r) | {"peak_bytes": r.peak_bytes} for n, r in results.items()},
+    }
+    with args.json.open("a") as f:
+        f.write(json.dumps(record) + "\n")

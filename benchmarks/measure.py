@@ -1,0 +1,149 @@
+"""Implementation-agnostic observers for the benchmarks: collectives and peak CPU memory.
+
+Both work below any FSDP implementation, so fsdp2, torch's FSDP2 and DDP are measured the same way:
+
+- `CommCounter` is a `TorchDispatchMode` that sees every `c10d` / `_c10d_functional` op. Eager
+  `dist.*` calls (torch's FSDP2 on gloo issues `c10d._allgather_base_` / `_reduce_scatter_base_`)
+  and DDP's C++ reducer (`c10d.allreduce_`) all reach the dispatcher, so nothing is monkeypatched.
+- `CPUMemory` counts bytes in a wrapper around the CPU allocator (cpu_memory.cpp). CPU has no
+  `torch.cuda.max_memory_allocated`; trackers built on dispatch (`MemTracker`) miss what C++ kernels
+  allocate inside an op (gloo's reduce-scatter clones its input), and the profiler's memory events
+  miss frees on threads it does not profile (gloo's workers). The allocator sees every block.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.cpp_extension import load
+
+# Collective kind by op name; the same names exist in `c10d` (in-place, eager) and in
+# `_c10d_functional` (functional, used by DTensor/compile). Anything else counts as "other".
+_KINDS = {
+    "_allgather_base_": "all_gather",
+    "allgather_": "all_gather",
+    "allgather_coalesced_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_out": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_reduce_coalesced_": "all_reduce",
+}
+# Not collectives: waits and bookkeeping ops in the same namespaces.
+_IGNORED = {"wait_tensor", "barrier", "monitored_barrier_", "recv_any_source_"}
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "other")
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(
+        t.numel() * t.element_size() for t in tree_leaves(tree) if isinstance(t, torch.Tensor)
+    )
+
+
+def _payload_bytes(kind: str, functional: bool, args: tuple[Any, ...]) -> int:
+    """Bytes of the full tensor a collective is about: all-gather output, reduce-scatter input."""
+    if functional:  # (input, [reduce_op,] group_size, group_name, ...)
+        return _nbytes(args[0]) * (int(args[1]) if kind == "all_gather" else 1)
+    # c10d in-place ops: (outputs, inputs, ...) for gather/scatter, (tensors, ...) otherwise
+    return _nbytes(args[1] if kind == "reduce_scatter" else args[0])
+
+
+def wire_bytes(kind: str, payload: int, world_size: int) -> float:
+    """Bytes each rank receives under the bandwidth-optimal (ring) algorithm.
+
+    All-gather and reduce-scatter move payload·(W−1)/W per rank; all-reduce is a reduce-scatter then
+    an all-gather, so twice that. Other collectives (broadcasts) are counted at payload·(W−1)/W.
+    """
+    share = payload * (world_size - 1) / world_size
+    return 2 * share if kind == "all_reduce" else share
+
+
+@dataclass
+class CommCounts:
+    calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    payload: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    wire: float = 0.0  # bytes received per rank (ring algorithm)
+
+
+class CommCounter(TorchDispatchMode):
+    """Counts collectives and their bytes, whatever issues them (FSDP, DDP, DTensor, funcol)."""
+
+    def __init__(self, world_size: int) -> None:
+        super().__init__()
+        self.world_size = world_size
+        self.counts = CommCounts()
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        namespace, name = func.namespace, func.overloadpacket.__name__
+        if namespace in ("c10d", "_c10d_functional", "c10d_functional") and name not in _IGNORED:
+            kind = _KINDS.get(name, "other")
+            payload = _payload_bytes(kind, namespace != "c10d", args)
+            self.counts.calls[kind] += 1
+            self.counts.payload[kind] += payload
+            self.counts.wire += wire_bytes(kind, payload, self.world_size)
+        return func(*args, **(kwargs or {}))
+
+
+class CPUMemory:
+    """While entered, every CPU tensor allocation is counted (cpu_memory.cpp), from any thread.
+
+    `live_bytes()` counts only blocks allocated while entered, so build what you measure inside.
+    The extension is compiled on first use (~15 s, cached in ~/.cache/torch_extensions).
+    """
+
+    def __init__(self) -> None:
+        # One rank compiles while the others wait on the build directory's lock.
+        self._ext = load(
+            name="fsdp2_bench_cpu_memory",
+            sources=[str(Path(__file__).with_name("cpu_memory.cpp"))],
+            extra_cflags=["-O2"],
+        )
+
+    def __enter__(self) -> CPUMemory:
+        self._ext.install()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._ext.uninstall()
+
+    def live_bytes(self) -> int:
+        return int(self._ext.live_bytes())
+
+    def peak_bytes(self) -> int:
+        """Most bytes live since the last `reset_peak()`."""
+        return int(self._ext.peak_bytes())
+
+    def reset_peak(self) -> None:
+        self._ext.reset_peak()
+
+
+def timed(fn: Callable[[], Any], steps: int) -> float:
+    """Seconds per call of `fn`, bracketed by barriers so every rank times the same collective work."""
+    if dist.is_initialized():
+        dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    if dist.is_initialized():
+        dist.barrier()
+    return (time.perf_counter() - t0) / steps

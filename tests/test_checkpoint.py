@@ -1,0 +1,245 @@
+"""Checkpoints of model and optimizer: ``torch.distributed.checkpoint`` and full state dicts.
+
+One run at world size 2 trains a few steps, saves (a DCP checkpoint of the sharded state, and a
+full state dict that only rank 0 holds, written with ``torch.save``), then trains on: those later
+losses are what an uninterrupted run gives. Every resumed run must reproduce them step by step:
+from the DCP checkpoint at world sizes 1, 2 and 4 (resharding), from the full state dict in a
+plain unsharded model, and from the full state dict broadcast from rank 0 into a model that has
+never been materialised (meta device). Each global batch is fixed and split over the ranks, so
+runs at different world sizes see the same data; at the saving world size the continuation must
+be bitwise identical, at others equal up to reduction-order rounding.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from tests.harness import IMPL_UNDER_TEST, fsdp_api, run_on_ranks
+from tests.models import GPT, GPT_SEQ, build_model, make_batch
+from tests.parity import ADAM_EPS, LR, MODEL_SEED, WEIGHT_DECAY, ParityConfig, shard_model
+
+NAME = "gpt"  # tied embedding/head weights, buffers, five fully_shard groups
+SAVE_WORLD_SIZE = 2
+STEPS_BEFORE = 2
+RESUMED_STEPS = range(STEPS_BEFORE, STEPS_BEFORE + 3)
+GLOBAL_BATCH = 8  # divisible by every world size tested
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+BROADCAST = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+
+
+def _sharded_model(seed: int) -> nn.Module:
+    model = build_model(NAME, seed)
+    shard_model(model, ParityConfig(model=NAME, impl=IMPL_UNDER_TEST))
+    return model
+
+
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, eps=ADAM_EPS)
+
+
+def _train(
+    model: nn.Module, optim: torch.optim.Optimizer, steps: range, sharded: bool = True
+) -> list[float]:
+    """Losses of the global batches ``steps``; a sharded model takes its rank's rows of each."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if sharded else (0, 1)
+    rows = GLOBAL_BATCH // world
+    losses = []
+    for step in steps:
+        batch = make_batch(NAME, 700 + step, GLOBAL_BATCH)
+        loss = model(*(t[rank * rows : (rank + 1) * rows] for t in batch))
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        loss = loss.detach().clone()
+        if sharded:
+            dist.all_reduce(loss)
+        losses.append(loss.item() / world)
+    return losses
+
+
+def _full_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    """A copy of the full, CPU state of model and optimizer on rank 0 (empty dicts elsewhere).
+    Copied: CPU tensors that need no gathering (AdamW's step, a 1-rank model's parameters)
+    come back as the live tensors themselves, which training goes on to change."""
+    model_sd, optim_sd = get_state_dict(model, optim, options=FULL)
+    return copy.deepcopy({"model": model_sd, "optim": optim_sd})
+
+
+def _save(ckpt: str, full_file: str) -> dict[str, Any]:
+    model = _sharded_model(MODEL_SEED)
+    optim = _optimizer(model)
+    _train(model, optim, range(STEPS_BEFORE))
+    model_sd, optim_sd = get_state_dict(model, optim)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt)
+    full = copy.deepcopy(
+        {
+            "model": get_model_state_dict(model, options=FULL),
+            "optim": get_optimizer_state_dict(model, optim, options=FULL),
+        }
+    )
+    together = _full_state(model, optim)  # collectives: every rank calls it
+    if dist.get_rank() == 0:
+        _assert_same_state(full, together)  # get_state_dict agrees with the per-object helpers
+        torch.save(full, full_file)
+    else:
+        assert full == {"model": {}, "optim": {}}, "only rank 0 holds the full state"
+    dist.barrier()
+    return {"full": full, "losses": _train(model, optim, RESUMED_STEPS)}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("ckpt")
+    ckpt, full_file = str(root / "dcp"), str(root / "full.pt")
+    result = run_on_ranks(SAVE_WORLD_SIZE, _save, ckpt, full_file)[0]
+    return {"ckpt": ckpt, "full_file": full_file, **result}
+
+
+def _assert_same_state(actual: dict[str, Any], expected: dict[str, Any]) -> None:
+    """Exactly equal full model and optimizer state (tensors compared bitwise)."""
+    assert actual["model"].keys() == expected["model"].keys()
+    for key, value in expected["model"].items():
+        assert torch.equal(actual["model"][key], value), key
+    # Broadcasting turns tuples (AdamW's betas) into lists; the values must agree.
+    assert _lists(actual["optim"]["param_groups"]) == _lists(expected["optim"]["param_groups"])
+    assert actual["optim"]["state"].keys() == expected["optim"]["state"].keys()
+    for fqn, state in expected["optim"]["state"].items():
+        for name, value in state.items():
+            assert torch.equal(actual["optim"]["state"][fqn][name], value), (fqn, name)
+
+
+def _lists(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in groups]
+
+
+def _check_losses(losses: list[float], expected: list[float], world_size: int) -> None:
+    if world_size == SAVE_WORLD_SIZE:
+        assert losses == expected  # the same computation, resumed: bitwise
+    else:
+        torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.distributed.checkpoint: save at 2 ranks, load at 1, 2 and 4
+# ---------------------------------------------------------------------------------------------
+
+
+def _dcp_resume(ckpt: str) -> dict[str, Any]:
+    model = _sharded_model(MODEL_SEED + 1)  # other values: loading must overwrite them all
+    optim = _optimizer(model)
+    model_sd, optim_sd = get_state_dict(model, optim)
+    for key, value in model_sd.items():  # loading reads into the parameters' own storage
+        assert isinstance(value, DTensor) or "causal_mask" in key, key
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt)
+    set_state_dict(model, optim, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    full = _full_state(model, optim)
+    return {"full": full, "losses": _train(model, optim, RESUMED_STEPS)}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_dcp_save_then_load_at_any_world_size(saved: dict[str, Any], world_size: int) -> None:
+    resumed = run_on_ranks(world_size, _dcp_resume, saved["ckpt"])[0]
+    _assert_same_state(resumed["full"], saved["full"])
+    _check_losses(resumed["losses"], saved["losses"], world_size)
+
+
+def _dcp_resume_error(ckpt: str) -> str:
+    """The error of resuming from ``ckpt``. Caught here: DCP raises on every rank alike, and
+    the rank pool stays usable. (``CheckpointException`` is a ``BaseException``.)"""
+    try:
+        _dcp_resume(ckpt)
+    except (Exception, dcp.CheckpointException) as e:
+        return str(e)
+    return "no error"
+
+
+def _incomplete_copy(saved: dict[str, Any], tmp_path: Path, remove: str) -> str:
+    ckpt = str(tmp_path / "partial")
+    shutil.copytree(saved["ckpt"], ckpt)
+    os.remove(os.path.join(ckpt, remove))
+    return ckpt
+
+
+@pytest.mark.parametrize("remove", [".metadata", "__1_0.distcp"])
+def test_incomplete_checkpoint_is_refused(
+    saved: dict[str, Any], tmp_path: Path, remove: str
+) -> None:
+    """DCP writes ``.metadata`` last (atomically, by rename) once every rank has written its
+    data: a directory without it, or missing a data file, must never load."""
+    ckpt = _incomplete_copy(saved, tmp_path, remove)
+    for message in run_on_ranks(SAVE_WORLD_SIZE, _dcp_resume_error, ckpt):
+        assert "No such file or directory" in message, message
+        assert remove in message, message
+
+
+# ---------------------------------------------------------------------------------------------
+# Full state dicts: rank 0's plain copy, loadable anywhere
+# ---------------------------------------------------------------------------------------------
+
+
+def test_full_state_dict_loads_into_a_plain_model(saved: dict[str, Any]) -> None:
+    """``torch.load(weights_only=True)`` reads it; a plain model and AdamW resume from it."""
+    full = torch.load(saved["full_file"], weights_only=True)
+    for key, value in full["model"].items():
+        assert type(value) is torch.Tensor and value.device.type == "cpu", key
+    plain = build_model(NAME, MODEL_SEED + 1)
+    plain.load_state_dict(full["model"])
+    optim = _optimizer(plain)
+    set_optimizer_state_dict(plain, optim, full["optim"], options=FULL)
+    assert optim.state_dict()["state"][0]["step"] == STEPS_BEFORE
+    losses = _train(plain, optim, RESUMED_STEPS, sharded=False)
+    torch.testing.assert_close(losses, saved["losses"], rtol=1e-5, atol=1e-6)
+
+
+def _broadcast_resume(full_file: str, on_meta: bool) -> dict[str, Any]:
+    api = fsdp_api(IMPL_UNDER_TEST)
+    # Only rank 0 reads the file; the others bring empty dicts.
+    full = torch.load(full_file, weights_only=True) if dist.get_rank() == 0 else {}
+    if on_meta:
+        with torch.device("meta"):
+            model = GPT()
+        for block in model.blocks:
+            api.fully_shard(block)
+        api.fully_shard(model)
+    else:
+        model = _sharded_model(MODEL_SEED + 1)
+    set_model_state_dict(model, full.get("model", {}), options=BROADCAST)
+    if on_meta:  # non-persistent buffers are in no state dict: the model's own init makes them
+        for block in model.blocks:
+            block.attn.causal_mask = torch.ones(GPT_SEQ, GPT_SEQ, dtype=torch.bool).tril()
+    for name, param in model.named_parameters():
+        assert isinstance(param, DTensor) and param.device.type == "cpu", name
+    assert model.lm_head.weight is model.wte.weight
+    optim = _optimizer(model)
+    set_optimizer_state_dict(model, optim, full.get("optim", {}), options=BROADCAST)
+    state = _full_state(model, optim)
+    return {"full": state, "losses": _train(model, optim, RESUMED_STEPS)}
+
+
+@pytest.mark.parametrize("on_meta", [True, False], ids=["meta-model", "materialised-model"])
+def test_broadcast_full_state_from_rank0(saved: dict[str, Any], on_meta: bool) -> None:
+    if on_meta and IMPL_UNDER_TEST != "fsdp2":
+        pytest.skip("torch's fully_shard unties shared weights that assign=True loading replaces")
+    resumed = run_on_ranks(SAVE_WORLD_SIZE, _broadcast_resume, saved["full_file"], on_meta)[0]
+    _assert_same_state(resumed["full"], saved["full"])
+    _check_losses(resumed["losses"], saved["losses"], SAVE_WORLD_SIZE)
