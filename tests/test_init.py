@@ -253,7 +253,7 @@ class TestMetaForwardError(expecttest.TestCase):
     def test_forward_on_meta_parameters_names_them_and_the_fix(self) -> None:
         self.assertExpectedInline(
             meta_forward_error(),
-            """fsdp2 module '' has parameters on the meta device (head.weight, head.bias). Materialise them before forward: module.to_empty(device=...) and then module.reset_parameters() (or your own init)""",
+            """fsdp2 module '<root>' has parameters on the meta device (head.weight, head.bias). Materialise them before forward: module.to_empty(device=...) and then module.reset_parameters() (or your own init)""",
         )
 
 
