@@ -133,8 +133,9 @@ class FSDPParamGroup:
         self.shard_numel = offset
         self.plain_numel = sum(p.chunk_numel for p in self.plain_params)
         self._chunk_sizes = [p.chunk_numel for p in self.plain_params]
-        if self.ext_params and any(p.local_numel != p.chunk_numel for p in self.ext_params):
-            uneven = [p.fqn for p in self.ext_params if p.local_numel != p.chunk_numel]
+        # Decided from shapes, not this rank's shard, so that every rank raises alike.
+        uneven = [p.fqn for p in self.ext_params if p.shape and p.shape[p.dim] % self.world]
+        if uneven:
             raise NotImplementedError(
                 f"{', '.join(uneven)}: all-gather extension parameters must split evenly over "
                 f"the {self.world} shard ranks (every rank's inputs the same size)"
