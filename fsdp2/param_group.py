@@ -195,12 +195,25 @@ class FSDPParamGroup:
             and storage_device == self.device
             and not self.ext_params
         )
-        # 1-D, param-major, every plain parameter padded to world * chunk.
-        self.unsharded_flat = (
-            self.sharded_flat
-            if self.alias
-            else torch.empty(world * self.plain_numel, dtype=self.param_dtype, device=self.device)
-        )
+        # Unsharded parameters are views, and a view needs its storage allocated when it is made:
+        # they are made at the first gather, so that sharding (or re-packing after to_empty) a
+        # model never allocates its unsharded size. Until then, empty stand-ins.
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.unsharded_param = nn.Parameter(torch.empty(0), requires_grad=False)
+            fsdp_param.ext_inner = None  # extension parameters: built by their post hook
+        self.unsharded_flat = self.sharded_flat if self.alias else None
+        self._copy_out: list[torch.Tensor] = []
+        if self.alias:
+            self._make_unsharded_views()
+
+    def _make_unsharded_views(self) -> None:
+        """Allocate the unsharded buffer and make the plain parameters' unsharded views of it."""
+        world = self.world
+        if self.unsharded_flat is None:
+            # 1-D, param-major, every plain parameter padded to world * chunk.
+            self.unsharded_flat = torch.empty(
+                world * self.plain_numel, dtype=self.param_dtype, device=self.device
+            )
         self._copy_out = [
             self.unsharded_flat[world * p.offset : world * (p.offset + p.chunk_numel)].view(
                 world, p.chunk_numel
@@ -209,10 +222,6 @@ class FSDPParamGroup:
         ]
         for fsdp_param in self.plain_params:
             fsdp_param.init_unsharded(self.unsharded_flat, world)
-        for fsdp_param in self.ext_params:  # built by the post-all-gather hook on first use
-            fsdp_param.unsharded_param = nn.Parameter(torch.empty(0), requires_grad=False)
-            fsdp_param.ext_inner = None
-        self._free_unsharded()
 
     def _set_dtypes(self) -> None:
         self.dtype = _common_dtype(self.fsdp_params, self.label)
@@ -258,6 +267,9 @@ class FSDPParamGroup:
                 "Materialise them before forward: module.to_empty(device=...) and then "
                 "module.reset_parameters() (or your own init)"
             )
+        if self.unsharded_flat is None:
+            self._make_unsharded_views()  # the first gather: allocated at full size
+        assert self.unsharded_flat is not None
         storage = self.unsharded_flat.untyped_storage()
         storage.resize_(self.unsharded_flat.numel() * self.unsharded_flat.element_size())
         packing = None
@@ -340,8 +352,9 @@ class FSDPParamGroup:
         self.state = ShardedState.PARTIAL
 
     def _free_unsharded(self) -> None:
-        if not self.alias and self.unsharded_flat.device.type != "meta":
-            self.unsharded_flat.untyped_storage().resize_(0)
+        flat = self.unsharded_flat
+        if not self.alias and flat is not None and flat.device.type != "meta":
+            flat.untyped_storage().resize_(0)
         for fsdp_param in self.ext_params:
             extension.free(fsdp_param)
 
@@ -351,7 +364,8 @@ class FSDPParamGroup:
 
     def unsharded_nbytes(self) -> int:
         """Bytes held by unsharded parameters now (0 when resharded; shared with the shard at W=1)."""
-        return 0 if self.alias else self.unsharded_flat.untyped_storage().nbytes()
+        flat = self.unsharded_flat
+        return 0 if self.alias or flat is None else flat.untyped_storage().nbytes()
 
     # -- gradients --------------------------------------------------------------------------------
 

@@ -207,12 +207,6 @@ def test_meta_init_peak_memory_stays_near_the_shard_size() -> None:
         assert result["peak"] < full_bytes / 2, result
 
 
-@pytest.mark.xfail(
-    IMPL_UNDER_TEST == "fsdp2",
-    strict=True,
-    reason="fsdp2 allocates a group's whole unsharded buffer (then frees it) each time it "
-    "re-packs the group, as to_empty does: a one-group model briefly needs its unsharded size",
-)
 def test_meta_init_of_one_big_group_stays_below_the_unsharded_size() -> None:
     """One group holding a big embedding: to_empty may hold the new shard twice (the fresh
     tensor and the buffer it is packed into), never the unsharded embedding."""
