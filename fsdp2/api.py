@@ -134,23 +134,35 @@ def _apply(
     kind: type[FSDPModule] = FSDPModule,
     shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
 ) -> None:
-    """Shard ``modules``' unclaimed parameters into one group and install the runtime."""
+    """Shard ``modules``' unclaimed parameters into groups (one per mesh; normally just
+    ``info``'s) and install the runtime."""
     device = device_of(info.mesh)
     label = ", ".join(type(m).__name__ for m in modules)
     slots = _managed_params(modules, ignored_params or set())
-    params, fulls = [], []
+    # mesh (None: fully_shard's own) -> its parameters and their full tensors
+    by_mesh: dict[DeviceMesh | None, tuple[list[FSDPParam], list[torch.Tensor]]] = {None: ([], [])}
     for param, (fqn, places) in slots.items():
         _check_device(param, fqn, device, modules)
-        params.append(FSDPParam(param, places, fqn, label))
+        fsdp_param = FSDPParam(param, places, fqn, label)
+        mesh = None
         if shard_placement_fn is not None:
-            params[-1].dim = _shard_dim(shard_placement_fn(param), param, fqn, info)
+            fsdp_param.dim, mesh = _shard_choice(shard_placement_fn(param), param, fqn, info)
         full = param._local_tensor if isinstance(param, DTensor) else param  # TP: local piece
-        fulls.append(full.detach() if full.device.type == "meta" else full.detach().to(device))
+        full = full.detach() if full.device.type == "meta" else full.detach().to(device)
+        params, fulls = by_mesh.setdefault(mesh, ([], []))
+        params.append(fsdp_param)
+        fulls.append(full)
     offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
-    group = (
-        FSDPParamGroup(params, fulls, info, device, label, mp_policy, offload) if params else None
-    )
-    del fulls
+    groups = []
+    for mesh, (params, fulls) in by_mesh.items():
+        if params:
+            group_info = info if mesh is None else mesh_info(mesh, who=label)
+            groups.append(
+                FSDPParamGroup(params, fulls, group_info, device, label, mp_policy, offload)
+            )
+    by_mesh.clear()
+    group = groups[0] if groups and groups[0].info is info else None
+    params = [p for g in groups for p in g.fsdp_params]
     # Resolved (and validated) before the first change to the modules: a rejected value leaves
     # them as they were, ready for a corrected call.
     reshard_after_forward = _resolve_reshard_after_forward(
@@ -167,12 +179,12 @@ def _apply(
             # A meta buffer has no data to move: to_empty() materialises it with the parameters.
             if buf is not None and buf.device != device and buf.device.type != "meta":
                 managed._buffers[name] = buf.to(device)
-    state = FSDPState(modules, group, reshard_after_forward, mp_policy)
+    state = FSDPState(modules, groups, reshard_after_forward, mp_policy)
     prefix = "FSDP" if kind is FSDPModule else kind.__name__.removesuffix("Module")
     for mod in modules:
         mod.__dict__[STATE_ATTR] = state
-        if group is not None:
-            register_state_dict_hooks(mod, group)
+        for each in groups:
+            register_state_dict_hooks(mod, each)
         mod.__class__ = _wrapped_class(type(mod), kind, prefix)
 
 
@@ -242,17 +254,21 @@ def _check_policies(mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPoli
         raise TypeError(f"offload_policy must be an OffloadPolicy, got {offload_policy!r}")
 
 
-def _shard_dim(choice: object, param: nn.Parameter, fqn: str, info: MeshInfo) -> int:
-    """The dim ``shard_placement_fn`` chose for ``param`` (``None``: dim 0)."""
-    if choice is None or param.dim() == 0:
-        return 0
+def _shard_choice(
+    choice: object, param: nn.Parameter, fqn: str, info: MeshInfo
+) -> tuple[int, DeviceMesh | None]:
+    """The dim ``shard_placement_fn`` chose for ``param`` (``None``: dim 0), and the mesh if it
+    chose one other than fully_shard's (e.g. expert weights over an expert-data-parallel mesh:
+    those parameters form a group of their own, gathered and reduced over that mesh)."""
+    if choice is None:
+        return 0, None
     mesh = getattr(getattr(choice, "mesh_info", None), "mesh", None)
-    if mesh is not None and mesh != info.mesh:
-        raise NotImplementedError(
-            f"shard_placement_fn put {fqn} on mesh {mesh}, not fully_shard's mesh {info.mesh}; "
-            "one group per mesh is not supported yet: call fully_shard separately for those "
-            "parameters' modules"
-        )
+    if mesh is not None and not isinstance(param, DTensor) and mesh != info.mesh:
+        other: DeviceMesh | None = mesh
+    else:
+        other = None
+    if param.dim() == 0:
+        return 0, other
     placement = getattr(choice, "placement", choice)
     if not isinstance(placement, Shard):
         raise ValueError(
@@ -264,7 +280,7 @@ def _shard_dim(choice: object, param: nn.Parameter, fqn: str, info: MeshInfo) ->
             f"shard_placement_fn chose Shard({placement.dim}) for {fqn} of shape "
             f"{tuple(param.shape)}, which has no such dim"
         )
-    return dim
+    return dim, other
 
 
 def _managed_modules(modules: Iterable[nn.Module]) -> list[nn.Module]:

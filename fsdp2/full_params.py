@@ -65,7 +65,7 @@ def summon_full_params(
     names = {id(m): n for n, m in module.named_modules()}
     labels = {id(s): _label(s, names) for s in states}
     _check_idle(states, labels)
-    groups = [s.group for s in states if s.group is not None]
+    groups = [group for s in states for group in s.groups]
     keep = not rank0_only or dist.get_rank() == 0
     with ExitStack() as stack:
         for state in states:
@@ -111,7 +111,7 @@ def _check_idle(states: list[FSDPState], labels: dict[int, str]) -> None:
                 f"{labels[id(state)]} is in {state.training_state.name}. Call it before forward "
                 "or after backward has finished"
             )
-        if state.group is not None and state.group in _summoned:
+        if any(group in _summoned for group in state.groups):
             raise RuntimeError(
                 f"summon_full_params is already active on fsdp2 module {labels[id(state)]}; "
                 "it cannot be nested over the same module"

@@ -71,7 +71,7 @@ class FSDPModule:
         return self.__dict__[STATE_ATTR]
 
     def _groups(self, recurse: bool) -> list[FSDPParamGroup]:
-        return [s.group for s in self._states(recurse) if s.group is not None]
+        return [group for s in self._states(recurse) for group in s.groups]
 
     def _states(self, recurse: bool) -> list[FSDPState]:
         if not recurse:
@@ -90,10 +90,9 @@ class FSDPModule:
         state = self._get_fsdp_state()
         if state.ctx is None:
             state._lazy_init()
-        group = state.group
-        if group is not None:
+        for group in state.groups:
             group.unshard()
-        handle = UnshardHandle(group)
+        handle = UnshardHandle(state.groups)
         if async_op:
             return handle
         handle.wait()
@@ -142,8 +141,8 @@ class FSDPModule:
         for state in self._states(recurse):
             state.requested_reshard_after_forward = reshard_after_forward
             state.reshard_after_forward = reshard_after_forward
-            if state.group is not None:
-                state.group.partial_group = None  # a bool replaces reshard_after_forward=k
+            for group in state.groups:
+                group.partial_group = None  # a bool replaces reshard_after_forward=k
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
@@ -254,9 +253,7 @@ def _groups_of(modules: list[FSDPModule], direction: str) -> list[FSDPParamGroup
                 f"set_modules_to_{direction}_prefetch expects FSDPModules (modules fully_shard "
                 f"was applied to), got {type(mod).__name__}; apply fully_shard to it first"
             )
-        group = mod._get_fsdp_state().group
-        if group is not None:
-            groups.append(group)
+        groups.extend(mod._get_fsdp_state().groups)
     return groups
 
 
@@ -267,10 +264,10 @@ class ReplicateModule(FSDPModule):
 class UnshardHandle:
     """Returned by ``FSDPModule.unshard(async_op=True)``: ``wait()`` finishes the all-gather."""
 
-    def __init__(self, group: FSDPParamGroup | None = None) -> None:
-        self._group = group
+    def __init__(self, groups: list[FSDPParamGroup] | None = None) -> None:
+        self._groups = groups or []
 
     def wait(self) -> None:
-        if self._group is not None:
-            self._group.wait_for_unshard()
-            self._group = None
+        for group in self._groups:
+            group.wait_for_unshard()
+        self._groups = []

@@ -5,8 +5,7 @@ Each rank keeps one 1-D ``sharded_flat`` buffer: the padded chunk of every param
 parameters first, back to back. The sharded ``DTensor`` parameters are views into it, so the
 optimizer writes straight into the all-gather input: gathering needs no copy-in. The gather lands
 rank-major (``[rank 0's chunks | rank 1's chunks | ...]``) and one ``split_with_sizes_copy``
-turns it param-major into ``unsharded_flat``, which the unsharded parameters view. A group with a
-single parameter gathers straight into ``unsharded_flat``, the two orders being the same then.
+turns it param-major into ``unsharded_flat``, which the unsharded parameters view.
 
 [Note: freeing unsharded storage]
 Autograd saves the unsharded parameters it needs for backward. Rather than dropping the tensors,
@@ -289,9 +288,10 @@ class FSDPParamGroup:
         comm = self.custom_all_gather
         if comm is not None:
             out = comm.allocate((out_numel,), dtype=source.dtype, device=source.device)
-        elif len(self.fsdp_params) == 1 and packing is None:
-            out = self.unsharded_flat  # one parameter: rank-major is param-major
         else:
+            # Never the unsharded buffer itself, even where the layouts agree (one parameter):
+            # a collective may mark its output written when it completes, on its own thread,
+            # which would trip autograd's check on the very tensors it saved in forward.
             out = source.new_empty(out_numel)
         if self.world == 1:  # nothing to gather, only the cast, copy or packing above
             self._gather = (Pending(None), source, packing)
@@ -305,18 +305,20 @@ class FSDPParamGroup:
         self.unshard()
         if self._gather is not None:
             pending, out, packing = self._gather
-            pending.wait()
             self._gather = None
             self._partial = None
-            if packing is not None:
-                rows = extension.unpack(self, out, packing)
-                sizes = [c * self.unsharded_flat.element_size() for c in self._chunk_sizes]
-                targets = [view.view(torch.uint8) for view in self._copy_out]
-            else:
-                rows = out.view(self.world, self.plain_numel)
-                sizes, targets = self._chunk_sizes, self._copy_out
-            if out is not self.unsharded_flat and targets:
-                with torch.autograd._unsafe_preserve_version_counter(self.unsharded_flat):
+            pending.wait()
+            # The copy-out writes the storage of tensors autograd saved in forward; their data
+            # ends up as it was then (see [Note: freeing unsharded storage]).
+            with torch.autograd._unsafe_preserve_version_counter(self.unsharded_flat):
+                if packing is not None:
+                    rows = extension.unpack(self, out, packing)
+                    sizes = [c * self.unsharded_flat.element_size() for c in self._chunk_sizes]
+                    targets = [view.view(torch.uint8) for view in self._copy_out]
+                else:
+                    rows = out.view(self.world, self.plain_numel)
+                    sizes, targets = self._chunk_sizes, self._copy_out
+                if out is not self.unsharded_flat and targets:
                     torch.split_with_sizes_copy(rows, sizes, dim=1, out=targets)
         for fsdp_param in self.fsdp_params:
             fsdp_param.register(fsdp_param.unsharded_param)

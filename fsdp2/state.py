@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from enum import Enum, auto
+from functools import partial
 from typing import Any
 
 import torch
@@ -61,7 +62,7 @@ class IterContext:
 
     def __init__(self, states: list[FSDPState]) -> None:
         self.states = states  # pre-order: the root first
-        self.groups = [s.group for s in states if s.group is not None]
+        self.groups = [group for s in states for group in s.groups]
         self.forward_order: list[FSDPParamGroup] = []  # last completed forward's group order
         self.recording: list[FSDPParamGroup] = []
         self.iteration = 0
@@ -126,8 +127,7 @@ class IterContext:
             accumulate_grad(fsdp_param, shard)
         self.reduced = []
         for state in self.states:
-            group = state.group
-            if group is not None:
+            for group in state.groups:
                 group.reduced_in_backward = False
                 if group.reshard_after_backward:
                     group.reshard()
@@ -140,8 +140,7 @@ class IterContext:
             self.in_flight.popleft().finish()
         self.reduced = []
         for state in self.states:
-            group = state.group
-            if group is not None:
+            for group in state.groups:
                 group.drop_unreduced_grads()
                 group.reduced_in_backward = False
                 group.reshard()
@@ -155,12 +154,13 @@ class FSDPState:
     def __init__(
         self,
         modules: tuple[nn.Module, ...],
-        group: FSDPParamGroup | None,
+        groups: list[FSDPParamGroup],
         reshard_after_forward: bool | None,
         mp_policy: MixedPrecisionPolicy,
     ) -> None:
         self.modules = modules
-        self.group = group
+        # One group per mesh: usually one; shard_placement_fn may put parameters on others.
+        self.groups = groups
         self.fqn = ""  # set at lazy init, when the root's module tree names it
         # Floating inputs are cast to this dtype, outputs to output_dtype (None: leave alone).
         self.input_dtype = mp_policy.param_dtype if mp_policy.cast_forward_inputs else None
@@ -175,8 +175,13 @@ class FSDPState:
         self.forward_prefetch: list[FSDPParamGroup] | None = None
         self.backward_prefetch: list[FSDPParamGroup] | None = None
         self.traced = False  # True: no hooks; forward gathers inside the graph (traced.py)
-        if group is not None:
-            group.on_grads_ready = self._post_backward
+        for group in groups:
+            group.on_grads_ready = partial(self._post_backward, group)
+
+    @property
+    def group(self) -> FSDPParamGroup | None:
+        """The group on the call's own mesh (the only one, unless parameters chose others)."""
+        return self.groups[0] if self.groups else None
 
     # -- lazy init --------------------------------------------------------------------------------
 
@@ -192,8 +197,8 @@ class FSDPState:
         names = {id(m): n for top in self.modules for n, m in top.named_modules()}
         for state in states:
             state.fqn = ",".join(names.get(id(m), "") for m in state.modules)
-            if state.group is not None:
-                state.group.label = state.fqn
+            for group in state.groups:
+                group.label = state.fqn
             state.ctx = ctx
             state.is_root = state is self
             requested = state.requested_reshard_after_forward
@@ -218,13 +223,15 @@ class FSDPState:
         assert ctx is not None
         if self.is_root:
             ctx.start_forward()
-        group = self.group
-        if group is None:
+        if not self.groups:
             return args, kwargs
         _trace("pre_forward", self.fqn)
         self.training_state = TrainingState.FORWARD
-        group.wait_for_unshard()
-        ctx.record(group)
+        for group in self.groups:  # issue every gather before waiting for any
+            group.unshard()
+        for group in self.groups:
+            group.wait_for_unshard()
+            ctx.record(group)
         if self.forward_prefetch is not None:
             for target in self.forward_prefetch:
                 target.unshard()
@@ -236,14 +243,14 @@ class FSDPState:
             output = _cast_floats(output, self.output_dtype)
         if self.training_state is TrainingState.PRE_BACKWARD:
             return output
-        group = self.group
         grad_enabled = torch.is_grad_enabled()
-        if group is not None:
+        if self.groups:
             _trace("post_forward", self.fqn)
-            if not grad_enabled:
-                group.reshard()
-            elif self.reshard_after_forward:
-                group.reshard_partial()
+            for group in self.groups:
+                if not grad_enabled:
+                    group.reshard()
+                elif self.reshard_after_forward:
+                    group.reshard_partial()
             self.training_state = TrainingState.IDLE
         if self.is_root:
             assert self.ctx is not None
@@ -275,17 +282,24 @@ class FSDPState:
         ctx = self.ctx
         assert ctx is not None
         ctx.queue_end_of_backward()
-        group = self.group
-        if group is None or self.training_state is TrainingState.PRE_BACKWARD:
+        if not self.groups or self.training_state is TrainingState.PRE_BACKWARD:
             return
         _trace("pre_backward", self.fqn)
         self.training_state = TrainingState.PRE_BACKWARD
-        if group.unshard_in_backward:
-            group.wait_for_unshard()
+        for group in self.groups:
+            if group.unshard_in_backward:
+                group.unshard()
+        for group in self.groups:
+            if group.unshard_in_backward:
+                group.wait_for_unshard()
         if self.backward_prefetch is not None:
             for target in self.backward_prefetch:
                 target.unshard()
             return
+        for group in self.groups:
+            self._prefetch_before(group, ctx)
+
+    def _prefetch_before(self, group: FSDPParamGroup, ctx: IterContext) -> None:
         order = ctx.forward_order
         if group.seen_in == ctx.iteration and order and order[group.order_index] is group:
             # The root prefetches the last group, whose gradients come first; any other group
@@ -294,15 +308,14 @@ class FSDPState:
             previous = group  # nothing to prefetch
             if self.is_root:
                 previous = order[-1]
-            elif group.order_index > 0 and order[group.order_index - 1] is not ctx.states[0].group:
+            elif group.order_index > 0 and order[group.order_index - 1] not in ctx.states[0].groups:
                 previous = order[group.order_index - 1]
             if previous is not group and previous.unshard_in_backward:
                 previous.unshard()
 
-    def _post_backward(self) -> None:
+    def _post_backward(self, group: FSDPParamGroup) -> None:
         ctx = self.ctx
-        group = self.group
-        assert ctx is not None and group is not None
+        assert ctx is not None
         _trace("post_backward", self.fqn)
         ctx.queue_end_of_backward()
         if group.reduce_grads_enabled:
@@ -314,7 +327,7 @@ class FSDPState:
         self.training_state = TrainingState.POST_BACKWARD
 
     def __repr__(self) -> str:
-        sharded = self.group.state.name if self.group is not None else "no params"
+        sharded = ",".join(g.state.name for g in self.groups) or "no params"
         role = "root" if self.is_root else "child"
         return f"FSDPState({self.fqn or '<root>'}, {role}, {self.training_state.name}, {sharded})"
 

@@ -172,6 +172,8 @@ def _unsupported(state: FSDPState) -> list[str]:
     if group is None:
         return []
     found = []
+    if len(state.groups) > 1:
+        found.append("parameters on several meshes (shard_placement_fn)")
     info = group.info
     if info.replicate_group is not None or info.shard_group is None:
         found.append("HSDP or replicate-only meshes")

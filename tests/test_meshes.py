@@ -393,18 +393,3 @@ class TestMeshErrors(expecttest.TestCase):
             self.shard(mesh, shard_placement_fn=lambda p: Replicate()),
             """ValueError: shard_placement_fn must return None or a Shard placement for weight, got Replicate()""",
         )
-
-    def test_shard_placement_fn_other_mesh(self) -> None:
-        # torch's way to put a parameter on another mesh (e.g. MoE experts on their own).
-        from torch.distributed.fsdp._fully_shard._fsdp_common import (
-            FSDPMeshInfo,
-            ShardPlacementResult,
-        )
-
-        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
-        other = init_device_mesh("cpu", (1,), mesh_dim_names=("experts",))
-        result = ShardPlacementResult(Shard(0), FSDPMeshInfo(other, shard_mesh_dim=0))
-        self.assertExpectedInline(
-            self.shard(mesh, shard_placement_fn=lambda p: result),
-            """NotImplementedError: shard_placement_fn put weight on mesh DeviceMesh((experts=1), 'cpu', stride=((),)), not fully_shard's mesh DeviceMesh((dp=1), 'cpu', stride=((),)); one group per mesh is not supported yet: call fully_shard separately for those parameters' modules""",
-        )
