@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from types import MethodType
-from typing import Any, overload
+from typing import Any, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -100,7 +100,8 @@ def fully_shard(
         ignored_params,
         shard_placement_fn=shard_placement_fn,
     )
-    return list(modules) if isinstance(module, list) else modules[0]  # type: ignore[return-value]
+    sharded = cast("tuple[FSDPModule, ...]", modules)  # _apply swapped their classes
+    return list(sharded) if isinstance(module, list) else sharded[0]
 
 
 def replicate(
@@ -121,7 +122,8 @@ def replicate(
     mesh = mesh if mesh is not None else default_mesh()
     info = mesh_info(mesh, dp_mesh_dims, replicate_only=True, who=type(modules[0]).__name__)
     _apply(modules, info, False, mp_policy, offload_policy, ignored_params, ReplicateModule)
-    return list(modules) if isinstance(module, list) else modules[0]  # type: ignore[return-value]
+    replicated = cast("tuple[ReplicateModule, ...]", modules)  # _apply swapped their classes
+    return list(replicated) if isinstance(module, list) else replicated[0]
 
 
 def _apply(

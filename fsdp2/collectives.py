@@ -60,7 +60,9 @@ def record_collectives() -> Iterator[list[CollectiveRecord]]:
         _recorders.remove(records)
 
 
-def _record(kind: CollectiveKind, label: str, inp: torch.Tensor, out: torch.Tensor, size: int):
+def _record(
+    kind: CollectiveKind, label: str, inp: torch.Tensor, out: torch.Tensor, size: int
+) -> None:
     record = CollectiveRecord(
         kind, label, inp.numel() * inp.element_size(), out.numel() * out.element_size(), size
     )

@@ -15,14 +15,49 @@ input, packed back to back, in one all-gather; unpacking cuts the bytes apart ag
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol, cast, overload
 
 import torch
 import torch.nn as nn
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from fsdp2.param import FSDPParam
     from fsdp2.param_group import FSDPParamGroup
+    from fsdp2.policies import MixedPrecisionPolicy
+
+    class _Extension(Protocol):
+        """What ``has_extension`` checks a shard for: the two hooks of the module docstring."""
+
+        def fsdp_pre_all_gather(
+            self,
+            mesh: DeviceMesh,
+            outer_size: torch.Size,
+            outer_stride: tuple[int, ...],
+            module: nn.Module,
+            mp_policy: MixedPrecisionPolicy,
+        ) -> tuple[Sequence[torch.Tensor], Any]: ...
+
+        @overload
+        def fsdp_post_all_gather(
+            self,
+            all_gather_outputs: tuple[torch.Tensor, ...],
+            metadata: Any,
+            param_dtype: torch.dtype,
+        ) -> tuple[torch.Tensor, Sequence[torch.Tensor]]: ...
+
+        @overload
+        def fsdp_post_all_gather(
+            self,
+            all_gather_outputs: tuple[torch.Tensor, ...],
+            metadata: Any,
+            param_dtype: torch.dtype,
+            *,
+            out: torch.Tensor,
+        ) -> None: ...
+
 
 __all__ = ["has_extension", "pack", "unpack"]
 
@@ -64,7 +99,12 @@ def unpack(group: FSDPParamGroup, gathered: torch.Tensor, packing: Packing) -> t
     plain parameters' part as a ``(world, bytes)`` view for the usual copy-out."""
     world = group.world
     rows = gathered.view(world, -1)
-    start = group.plain_numel * group.unsharded_flat.element_size()
+    if group.unsharded_flat is None:
+        raise AssertionError(
+            f"unpacking the gather of '{group.label}': expected its unsharded buffer, found None"
+        )
+    plain_bytes = group.plain_numel * group.unsharded_flat.element_size()
+    start = plain_bytes
     for fsdp_param, (metadata, specs) in zip(group.ext_params, packing, strict=True):
         outputs = []
         for dtype, shape in specs:
@@ -73,7 +113,7 @@ def unpack(group: FSDPParamGroup, gathered: torch.Tensor, packing: Packing) -> t
             start += nbytes
             outputs.append(piece.view(world * shape[0], *shape[1:]) if shape else piece)
         _rebuild_unsharded(fsdp_param, tuple(outputs), metadata, group.param_dtype)
-    return rows[:, : group.plain_numel * group.unsharded_flat.element_size()]
+    return rows[:, :plain_bytes]
 
 
 def _rebuild_unsharded(
@@ -88,16 +128,19 @@ def _rebuild_unsharded(
     for tensor, nbytes in fsdp_param.ext_inner:
         tensor.untyped_storage().resize_(nbytes)
     # Refilling the very tensor autograd saved in forward (see [Note: freeing unsharded storage]).
-    with torch.autograd._unsafe_preserve_version_counter(fsdp_param.unsharded_param):
+    with torch.autograd._unsafe_preserve_version_counter(fsdp_param.unsharded_param):  # type: ignore[attr-defined]
         local.fsdp_post_all_gather(outputs, metadata, dtype, out=fsdp_param.unsharded_param)
 
 
-def _subclass_view(fsdp_param: FSDPParam) -> torch.Tensor:
+def _subclass_view(fsdp_param: FSDPParam) -> _Extension:
     """The shard as the user's subclass (DTensor operations may hand back a plain tensor)."""
-    local = fsdp_param.sharded_param._local_tensor
+    local = fsdp_param.sharded_param._local_tensor  # type: ignore[attr-defined]
     subclass = fsdp_param.subclass
-    assert subclass is not None
-    return local if isinstance(local, subclass) else local.as_subclass(subclass)
+    if subclass is None:
+        raise AssertionError(
+            f"{fsdp_param.fqn}: expected an all-gather extension subclass, found a plain tensor"
+        )
+    return cast("_Extension", local if isinstance(local, subclass) else local.as_subclass(subclass))
 
 
 def free(fsdp_param: FSDPParam) -> None:

@@ -61,8 +61,9 @@ def device_of(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cpu":
         return torch.device("cpu")
     backend = getattr(torch, mesh.device_type, None)
-    index = backend.current_device() if backend is not None else None
-    return torch.device(mesh.device_type, index)
+    if backend is None:
+        return torch.device(mesh.device_type)
+    return torch.device(mesh.device_type, backend.current_device())
 
 
 def mesh_info(
@@ -73,6 +74,8 @@ def mesh_info(
 ) -> MeshInfo:
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard expects mesh to be a DeviceMesh, got {type(mesh).__name__}")
+    shard_axis: int | None
+    replicate_axis: int | None
     if replicate_only and dp_mesh_dims is None:
         if mesh.ndim != 1:
             raise ValueError(

@@ -32,7 +32,7 @@ class FSDPModule:
         # hold no fsdp2 state, so they get the original class.
         plain = next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
         obj = plain.__new__(plain)
-        obj.__init__(*args, **kwargs)
+        type(obj).__init__(obj, *args, **kwargs)  # what obj.__init__(...) calls
         return obj
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -68,7 +68,8 @@ class FSDPModule:
         return super().load_state_dict(state_dict, strict=strict, assign=assign)  # type: ignore[misc]
 
     def _get_fsdp_state(self) -> FSDPState:
-        return self.__dict__[STATE_ATTR]
+        state: FSDPState = self.__dict__[STATE_ATTR]
+        return state
 
     def _groups(self, recurse: bool) -> list[FSDPParamGroup]:
         return [group for s in self._states(recurse) for group in s.groups]
@@ -167,8 +168,7 @@ class FSDPModule:
         state = self._get_fsdp_state()
         if state.ctx is None:
             state._lazy_init()
-        assert state.ctx is not None
-        state.ctx.is_last_backward = is_last_backward
+        state.require_ctx().is_last_backward = is_last_backward
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """For HSDP's replicate axis; with a 1-D mesh there is no all-reduce to skip."""
@@ -231,8 +231,7 @@ class FSDPModule:
         state = self._get_fsdp_state()
         if state.ctx is None:
             state._lazy_init()
-        assert state.ctx is not None
-        state.ctx.post_optim_event = event
+        state.require_ctx().post_optim_event = event
 
     def set_custom_all_gather(self, comm: AllGather) -> None:
         """Use ``comm`` (its ``allocate`` for the output buffer) for this module's all-gather."""

@@ -13,6 +13,7 @@ import math
 import sys
 from collections.abc import Callable
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -22,6 +23,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdp2.extension import has_extension
 from fsdp2.mesh import MeshInfo, sharded_layout
+
+if TYPE_CHECKING:
+    from fsdp2.param_group import FSDPParamGroup
 
 __all__ = ["FSDPParam", "ShardedState"]
 
@@ -65,6 +69,7 @@ class FSDPParam:
         self.module = slots[0][0]  # handed to fsdp_pre_all_gather
         self.on_grad_ready: Callable[[torch.Tensor], None] | None = None
         # Set by the group once the layout is fixed.
+        self.group: FSDPParamGroup  # the group whose flat buffers hold this parameter
         self.offset = 0  # start of this parameter's chunk inside a rank's flat shard
         self.sharded_param: nn.Parameter  # DTensor; the optimizer's parameter
         self.unsharded_param: nn.Parameter  # plain tensor viewing the unsharded buffer
@@ -120,9 +125,9 @@ class FSDPParam:
         if full is None:
             owner = getattr(self.sharded_param, "_fsdp2_owner", None) or self.owner
             with torch.no_grad():
-                local.copy_(self.sharded_param._local_tensor)
+                local.copy_(self.sharded_param._local_tensor)  # type: ignore[attr-defined]
             # Keep the Parameter object (optimizers and users hold it); swap what it wraps.
-            self.sharded_param._local_tensor = local
+            self.sharded_param._local_tensor = local  # type: ignore[attr-defined]
             self.sharded_param._fsdp2_owner = owner  # type: ignore[attr-defined]
             return
         if full.device.type != "meta":
@@ -151,14 +156,14 @@ class FSDPParam:
         layout_shape = self.layout_shape if self.shape else ()
         view = self.param_order(unsharded_flat[start : start + self.numel].view(layout_shape))
         if self.outer_spec is not None:
-            view = DTensor(view, self.outer_spec, requires_grad=False)
+            view = DTensor(view, self.outer_spec, requires_grad=False)  # type: ignore[no-untyped-call]
         self.adopt_unsharded(nn.Parameter(view, requires_grad=self.requires_grad))
 
     def adopt_unsharded(self, param: nn.Parameter) -> None:
         """Make ``param`` the unsharded parameter, hooked for gradient readiness."""
         self.unsharded_param = param
         if self.requires_grad and self.on_grad_ready is not None:
-            param.register_post_accumulate_grad_hook(self.on_grad_ready)
+            param.register_post_accumulate_grad_hook(self.on_grad_ready)  # type: ignore[no-untyped-call]
             # Holding the AccumulateGrad node keeps it unique, so the engine can be asked
             # whether it will run in a given backward (see FSDPParamGroup.on_grad_ready).
             self.grad_node = self.unsharded_param.view_as(self.unsharded_param).grad_fn
@@ -183,7 +188,8 @@ class FSDPParam:
         if cached is not None and sys.getrefcount(cached) == 2:  # our attribute + the argument
             cached._local_tensor = local
             return cached
-        self._grad_wrapper = DTensor(local, self.sharded_param._spec, requires_grad=False)
+        spec = self.sharded_param._spec  # type: ignore[attr-defined]
+        self._grad_wrapper = DTensor(local, spec, requires_grad=False)  # type: ignore[no-untyped-call]
         return self._grad_wrapper
 
     def __repr__(self) -> str:

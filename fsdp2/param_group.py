@@ -25,6 +25,7 @@ not waited for; anything that never fires is caught by the end-of-backward callb
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -73,7 +74,7 @@ class PendingReduce:
         self.pending.wait()
         if self.out is None:  # one rank, nothing to reduce: the gradients are the shards
             grads, self.keep_alive = self.keep_alive, None
-            return self.group.own_shards(self.params, grads)  # type: ignore[arg-type]
+            return self.group.own_shards(self.params, cast("list[torch.Tensor]", grads))
         self.keep_alive = None
         return self.group.finish_reduce(self.out, self.params, self.use_sum)
 
@@ -235,7 +236,7 @@ class FSDPParamGroup:
         flat = self.sharded_flat
         if (
             all(
-                p.sharded_param._local_tensor.untyped_storage().data_ptr()
+                p.sharded_param._local_tensor.untyped_storage().data_ptr()  # type: ignore[attr-defined]
                 == flat.untyped_storage().data_ptr()
                 and p.sharded_param.dtype == flat.dtype
                 for p in self.fsdp_params
@@ -247,7 +248,7 @@ class FSDPParamGroup:
         for fsdp_param in self.fsdp_params:
             fsdp_param.dtype = fsdp_param.sharded_param.dtype
         self._set_dtypes()
-        storage = self.fsdp_params[0].sharded_param._local_tensor.device
+        storage = self.fsdp_params[0].sharded_param._local_tensor.device  # type: ignore[attr-defined]
         if self.offload is None:
             self.device = storage
         self._build(storage, None)
@@ -268,7 +269,10 @@ class FSDPParamGroup:
             )
         if self.unsharded_flat is None:
             self._make_unsharded_views()  # the first gather: allocated at full size
-        assert self.unsharded_flat is not None
+        if self.unsharded_flat is None:
+            raise AssertionError(
+                f"unshard '{self.label}': expected the unsharded buffer to be allocated, found None"
+            )
         storage = self.unsharded_flat.untyped_storage()
         storage.resize_(self.unsharded_flat.numel() * self.unsharded_flat.element_size())
         packing = None
@@ -281,7 +285,13 @@ class FSDPParamGroup:
             group = self.info.shard_group
             if self.ext_params:
                 source, packing = extension.pack(self, source)
-        assert group is not None
+        if self.world == 1:  # nothing to gather, only the cast, copy or packing above
+            self._gather = (Pending(None), source, packing)
+            return
+        if group is None:
+            raise AssertionError(
+                f"unshard '{self.label}': expected a process group to gather over, found None"
+            )
         # group.size(), not self.world: a k-rank gather (reshard_after_forward=k) sends W/k
         # chunks per rank, and the output still holds all W chunks once.
         out_numel = group.size() * source.numel()
@@ -293,9 +303,6 @@ class FSDPParamGroup:
             # a collective may mark its output written when it completes, on its own thread,
             # which would trip autograd's check on the very tensors it saved in forward.
             out = source.new_empty(out_numel)
-        if self.world == 1:  # nothing to gather, only the cast, copy or packing above
-            self._gather = (Pending(None), source, packing)
-            return
         self._gather = (all_gather(out, source, group, self.label, comm), out, packing)
 
     def wait_for_unshard(self) -> None:
@@ -310,10 +317,15 @@ class FSDPParamGroup:
             pending.wait()
             # The copy-out writes the storage of tensors autograd saved in forward; their data
             # ends up as it was then (see [Note: freeing unsharded storage]).
-            with torch.autograd._unsafe_preserve_version_counter(self.unsharded_flat):
+            flat = self.unsharded_flat
+            if flat is None:
+                raise AssertionError(
+                    f"wait_for_unshard '{self.label}': expected the unsharded buffer, found None"
+                )
+            with torch.autograd._unsafe_preserve_version_counter(flat):  # type: ignore[attr-defined]
                 if packing is not None:
                     rows = extension.unpack(self, out, packing)
-                    sizes = [c * self.unsharded_flat.element_size() for c in self._chunk_sizes]
+                    sizes = [c * flat.element_size() for c in self._chunk_sizes]
                     targets = [view.view(torch.uint8) for view in self._copy_out]
                 else:
                     rows = out.view(self.world, self.plain_numel)
@@ -434,7 +446,10 @@ class FSDPParamGroup:
             out = inp.new_empty(numel)
         torch._chunk_cat(grads, dim=0, num_chunks=self.world, out=inp)  # casts to reduce_dtype
         op = dist.ReduceOp.SUM if use_sum else dist.ReduceOp.AVG
-        assert self.info.shard_group is not None
+        if self.info.shard_group is None:
+            raise AssertionError(
+                f"reduce_grads '{self.label}': expected a shard group to reduce over, found None"
+            )
         pending = reduce_scatter(out, inp.view(-1), self.info.shard_group, self.label, op, comm)
         return PendingReduce(self, pending, out, params, inp, use_sum)
 
@@ -451,7 +466,11 @@ class FSDPParamGroup:
             unsharded.grad = None
             if isinstance(grad, DTensor):
                 spec = fsdp_param.outer_spec
-                assert spec is not None
+                if spec is None:
+                    raise AssertionError(
+                        f"{fsdp_param.fqn}: expected a DTensor gradient only for a DTensor parameter, "
+                        "found one for a plain parameter"
+                    )
                 grad = grad.redistribute(spec.mesh, spec.placements)._local_tensor
             grad = grad.to(self.reduce_dtype)
             if fsdp_param.unreduced is None:
@@ -465,7 +484,11 @@ class FSDPParamGroup:
         unsharded.grad = None
         if isinstance(grad, DTensor):  # tensor parallel: reduce the local piece of the gradient
             spec = fsdp_param.outer_spec
-            assert spec is not None
+            if spec is None:
+                raise AssertionError(
+                    f"{fsdp_param.fqn}: expected a DTensor gradient only for a DTensor parameter, "
+                    "found one for a plain parameter"
+                )
             if grad.placements != spec.placements:  # e.g. Partial after a row-wise layer
                 grad = grad.redistribute(spec.mesh, spec.placements)
             grad = grad._local_tensor

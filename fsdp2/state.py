@@ -205,6 +205,15 @@ class FSDPState:
             state.reshard_after_forward = (not state.is_root) if requested is None else requested
         _trace("lazy_init", self.fqn)
 
+    def require_ctx(self) -> IterContext:
+        """The iteration context, which lazy init gives every state before any hook runs."""
+        if self.ctx is None:
+            raise AssertionError(
+                f"fsdp2 state '{self.fqn}': expected an iteration context (set at lazy init), "
+                "found None"
+            )
+        return self.ctx
+
     # -- forward ----------------------------------------------------------------------------------
 
     # Dynamo never traces the hooks: their collectives, storage resizing and autograd hooks
@@ -219,8 +228,7 @@ class FSDPState:
             args, kwargs = _cast_floats((args, kwargs), self.input_dtype)
         if self.training_state is TrainingState.PRE_BACKWARD:
             return args, kwargs  # forward recomputed inside backward (activation checkpointing)
-        ctx = self.ctx
-        assert ctx is not None
+        ctx = self.require_ctx()
         if self.is_root:
             ctx.start_forward()
         if not self.groups:
@@ -253,8 +261,7 @@ class FSDPState:
                     group.reshard_partial()
             self.training_state = TrainingState.IDLE
         if self.is_root:
-            assert self.ctx is not None
-            self.ctx.end_forward()
+            self.require_ctx().end_forward()
             self._free_unused(everything=not grad_enabled)
         if grad_enabled:
             self._hook_outputs(output)
@@ -262,25 +269,24 @@ class FSDPState:
 
     def _free_unused(self, everything: bool) -> None:
         """At the root's post-forward: free gathers nobody used (all of them under no_grad)."""
-        assert self.ctx is not None
-        for group in self.ctx.groups:
-            if everything or (group.seen_in != self.ctx.iteration and group.unshard_pending):
+        ctx = self.require_ctx()
+        for group in ctx.groups:
+            if everything or (group.seen_in != ctx.iteration and group.unshard_pending):
                 group.reshard()
 
     def _hook_outputs(self, output: Any) -> None:
         if isinstance(output, torch.Tensor):
             if output.requires_grad:
-                output.register_hook(self._pre_backward)
+                output.register_hook(self._pre_backward)  # type: ignore[no-untyped-call]
             return
         for leaf in tree_flatten(output)[0]:
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-                leaf.register_hook(self._pre_backward)
+                leaf.register_hook(self._pre_backward)  # type: ignore[no-untyped-call]
 
     # -- backward ---------------------------------------------------------------------------------
 
     def _pre_backward(self, grad: torch.Tensor) -> None:
-        ctx = self.ctx
-        assert ctx is not None
+        ctx = self.require_ctx()
         ctx.queue_end_of_backward()
         if not self.groups or self.training_state is TrainingState.PRE_BACKWARD:
             return
@@ -314,8 +320,7 @@ class FSDPState:
                 previous.unshard()
 
     def _post_backward(self, group: FSDPParamGroup) -> None:
-        ctx = self.ctx
-        assert ctx is not None
+        ctx = self.require_ctx()
         _trace("post_backward", self.fqn)
         ctx.queue_end_of_backward()
         if group.reduce_grads_enabled:

@@ -24,7 +24,7 @@ from torch.func import functional_call
 
 from fsdp2.collectives import CollectiveRecord, record_collectives
 from tests.models import Batch
-from tests.parity import ADAM_EPS, LR, WEIGHT_DECAY
+from tests.parity import adamw
 
 MakeBatch = Callable[[torch.Generator, int], Batch]
 LOCAL_BATCH = 4
@@ -119,10 +119,6 @@ def compare_params(
 ) -> None:
     for (name, p), ref_p in zip(model.named_parameters(), ref.parameters(), strict=True):
         close(f"{what} param {name}", full(p).detach(), ref_p.detach(), rtol, atol, normwise)
-
-
-def adamw(params: Iterable[nn.Parameter]) -> torch.optim.AdamW:
-    return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, eps=ADAM_EPS)
 
 
 def cast_forward(dtype: torch.dtype, num_slices: int) -> Callable[[nn.Module, Batch], torch.Tensor]:

@@ -16,7 +16,7 @@ import argparse
 import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -38,6 +38,7 @@ LR, WEIGHT_DECAY = 1e-2, 0.1
 # full lr-sized step. A larger eps bounds that amplification; the gradients themselves are
 # compared before the step at the tight tolerance, so this hides nothing about FSDP.
 ADAM_EPS = 1e-5
+GLOBAL_BATCH = 8  # train_global_batches' rows per step: divisible by every world size tested
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,6 +98,44 @@ def shard_model(model: nn.Module, cfg: ParityConfig) -> None:
     for unit in MODELS[cfg.model].shard_units(model):
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
+
+
+def adamw(params: Iterable[nn.Parameter]) -> torch.optim.AdamW:
+    """The suite's optimizer: AdamW with the constants above."""
+    return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, eps=ADAM_EPS)
+
+
+def train_global_batches(
+    name: str,
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    steps: Iterable[int],
+    *,
+    seed: int,
+    sharded: bool,
+    input_dtype: torch.dtype | None = None,
+) -> list[float]:
+    """Train on the global batch ``make_batch(name, seed + step, GLOBAL_BATCH)`` of each of
+    ``steps``; return each step's global loss. A sharded model takes its rank's rows of each
+    batch and averages its loss over ranks; a plain one takes every row, so both see the same
+    data. ``input_dtype``: cast floating-point inputs to it (e.g. for a float64 model)."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if sharded else (0, 1)
+    rows = GLOBAL_BATCH // world
+    losses = []
+    for step in steps:
+        batch = make_batch(name, seed + step, GLOBAL_BATCH)
+        local = [t[rank * rows : (rank + 1) * rows] for t in batch]
+        if input_dtype is not None:
+            local = [t.to(input_dtype) if t.is_floating_point() else t for t in local]
+        loss = model(*local)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        loss = loss.detach().clone()
+        if sharded:
+            dist.all_reduce(loss)
+        losses.append(loss.item() / world)
+    return losses
 
 
 @dataclass(frozen=True)
@@ -251,8 +290,8 @@ def run_parity(cfg: ParityConfig) -> dict[str, Any]:
     close_params = _Comparer(cfg.rtol, cfg.param_atol)
     compare_params_and_buffers(model, ref, "after fully_shard", close)
 
-    optim = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, eps=ADAM_EPS)
-    ref_optim = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, eps=ADAM_EPS)
+    optim = adamw(model.parameters())
+    ref_optim = adamw(ref.parameters())
     result = ParityResult()
     for step in range(cfg.num_steps):
         for m in (model, ref):

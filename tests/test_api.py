@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from tests.errors import raised
 from tests.harness import IMPL_UNDER_TEST, fsdp_api, init_local_process_group
 from tests.models import build_model
 
@@ -24,15 +25,6 @@ api = fsdp_api(IMPL_UNDER_TEST)
 fsdp2_only = unittest.skipIf(
     IMPL_UNDER_TEST != "fsdp2", "pins fsdp2's messages; torch's differ (or it accepts the input)"
 )
-
-
-def raised(fn: Callable[[], Any]) -> str:
-    """``"<ExceptionType>: <message>"`` of what ``fn`` raises: the type is part of the contract."""
-    try:
-        fn()
-    except Exception as e:  # any type: the caller pins which
-        return f"{type(e).__name__}: {e}"
-    raise AssertionError(f"{fn} did not raise")
 
 
 class ClaimsDevice(torch.Tensor):

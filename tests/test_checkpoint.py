@@ -35,14 +35,13 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from tests.harness import IMPL_UNDER_TEST, fsdp_api, run_on_ranks
-from tests.models import GPT, GPT_SEQ, build_model, make_batch
-from tests.parity import ADAM_EPS, LR, MODEL_SEED, WEIGHT_DECAY, ParityConfig, shard_model
+from tests.models import GPT, GPT_SEQ, build_model
+from tests.parity import MODEL_SEED, ParityConfig, adamw, shard_model, train_global_batches
 
 NAME = "gpt"  # tied embedding/head weights, buffers, five fully_shard groups
 SAVE_WORLD_SIZE = 2
 STEPS_BEFORE = 2
 RESUMED_STEPS = range(STEPS_BEFORE, STEPS_BEFORE + 3)
-GLOBAL_BATCH = 8  # divisible by every world size tested
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 BROADCAST = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
@@ -53,28 +52,11 @@ def _sharded_model(seed: int) -> nn.Module:
     return model
 
 
-def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, eps=ADAM_EPS)
-
-
 def _train(
     model: nn.Module, optim: torch.optim.Optimizer, steps: range, sharded: bool = True
 ) -> list[float]:
     """Losses of the global batches ``steps``; a sharded model takes its rank's rows of each."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if sharded else (0, 1)
-    rows = GLOBAL_BATCH // world
-    losses = []
-    for step in steps:
-        batch = make_batch(NAME, 700 + step, GLOBAL_BATCH)
-        loss = model(*(t[rank * rows : (rank + 1) * rows] for t in batch))
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        loss = loss.detach().clone()
-        if sharded:
-            dist.all_reduce(loss)
-        losses.append(loss.item() / world)
-    return losses
+    return train_global_batches(NAME, model, optim, steps, seed=700, sharded=sharded)
 
 
 def _full_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
@@ -87,7 +69,7 @@ def _full_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any
 
 def _save(ckpt: str, full_file: str) -> dict[str, Any]:
     model = _sharded_model(MODEL_SEED)
-    optim = _optimizer(model)
+    optim = adamw(model.parameters())
     _train(model, optim, range(STEPS_BEFORE))
     model_sd, optim_sd = get_state_dict(model, optim)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt)
@@ -146,7 +128,7 @@ def _check_losses(losses: list[float], expected: list[float], world_size: int) -
 
 def _dcp_resume(ckpt: str) -> dict[str, Any]:
     model = _sharded_model(MODEL_SEED + 1)  # other values: loading must overwrite them all
-    optim = _optimizer(model)
+    optim = adamw(model.parameters())
     model_sd, optim_sd = get_state_dict(model, optim)
     for key, value in model_sd.items():  # loading reads into the parameters' own storage
         assert isinstance(value, DTensor) or "causal_mask" in key, key
@@ -204,7 +186,7 @@ def test_full_state_dict_loads_into_a_plain_model(saved: dict[str, Any]) -> None
         assert type(value) is torch.Tensor and value.device.type == "cpu", key
     plain = build_model(NAME, MODEL_SEED + 1)
     plain.load_state_dict(full["model"])
-    optim = _optimizer(plain)
+    optim = adamw(plain.parameters())
     set_optimizer_state_dict(plain, optim, full["optim"], options=FULL)
     assert optim.state_dict()["state"][0]["step"] == STEPS_BEFORE
     losses = _train(plain, optim, RESUMED_STEPS, sharded=False)
@@ -230,7 +212,7 @@ def _broadcast_resume(full_file: str, on_meta: bool) -> dict[str, Any]:
     for name, param in model.named_parameters():
         assert isinstance(param, DTensor) and param.device.type == "cpu", name
     assert model.lm_head.weight is model.wte.weight
-    optim = _optimizer(model)
+    optim = adamw(model.parameters())
     set_optimizer_state_dict(model, optim, full.get("optim", {}), options=BROADCAST)
     state = _full_state(model, optim)
     return {"full": state, "losses": _train(model, optim, RESUMED_STEPS)}

@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from tests.errors import error_text
 from tests.harness import IMPL_UNDER_TEST, fsdp_api, run_on_ranks
 from tests.lockstep import CollectiveCounter, Lockstep, fsdp_modules, full, shard_mlp
 from tests.models import MLP_DIM, MLP_IN, MLP_OUT, Batch
@@ -35,6 +36,21 @@ NUM_STEPS = 3
 
 def _labels(records: Sequence[Any], kind: str) -> list[str]:
     return [r.label for r in records if r.kind == kind]
+
+
+def _backward_counts(t: Lockstep, kind: str) -> list[int]:
+    """Train ``NUM_STEPS`` checked lockstep steps; the ``kind`` collectives of each backward."""
+    counts = []
+    for step in range(NUM_STEPS):
+        loss = t.model(*t.local(step))
+        with CollectiveCounter() as counter:
+            loss.backward()
+        counts.append(counter.counts[kind])
+        t.reference_step(loss, step)
+        t.check_grads(f"step {step}")
+        t.optim_step()
+    t.check_params("after training")
+    return counts
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,17 +236,7 @@ def _unshard_in_backward(impl: str, unshard_in_backward: bool) -> list[int]:
         fully_shard(module)
     t.model.embed.set_unshard_in_backward(unshard_in_backward)
     t.make_optimizers()
-    backward_gathers = []
-    for step in range(NUM_STEPS):
-        loss = t.model(*t.local(step))
-        with CollectiveCounter() as counter:
-            loss.backward()
-        backward_gathers.append(counter.counts["allgather"])
-        t.reference_step(loss, step)
-        t.check_grads(f"step {step}")
-        t.optim_step()
-    t.check_params("after training")
-    return backward_gathers
+    return _backward_counts(t, "allgather")
 
 
 @pytest.mark.parametrize("impl", ["fsdp2", "torch"])
@@ -429,17 +435,7 @@ def _unused_params(impl: str) -> list[int]:
     # not even complain: each expert would get the sum of both experts' gradients.
     t.model.moe.set_reduce_scatter_unused_params(True)
     t.make_optimizers()
-    reduce_scatters = []
-    for step in range(NUM_STEPS):
-        loss = t.model(*t.local(step))
-        with CollectiveCounter() as counter:
-            loss.backward()
-        reduce_scatters.append(counter.counts["reducescatter"])
-        t.reference_step(loss, step)
-        t.check_grads(f"step {step}")
-        t.optim_step()
-    t.check_params("after training")
-    return reduce_scatters
+    return _backward_counts(t, "reducescatter")
 
 
 @pytest.mark.parametrize(("world_size", "impl"), [(2, "fsdp2"), (4, "fsdp2"), (2, "torch")])
@@ -708,14 +704,6 @@ class Siblings(nn.Module):
         self.b.weight = self.a.weight
 
 
-def _error(fn: Any) -> str:
-    try:
-        fn()
-    except Exception as e:  # the type is part of the pinned text
-        return f"{type(e).__name__}: {e}"
-    return "no error"
-
-
 def _untouched(model: nn.Module) -> bool:
     return not any(isinstance(p, DTensor) for p in model.parameters())
 
@@ -726,7 +714,7 @@ def _error_messages() -> dict[str, str]:
     messages = {}
     for k in (3, 0, -1, 2.0):
         mlp = Lockstep("mlp").model
-        messages[f"reshard_after_forward={k}"] = _error(
+        messages[f"reshard_after_forward={k}"] = error_text(
             lambda m=mlp, k=k: fully_shard(m, reshard_after_forward=k)
         )
         # A rejected call must leave the module as it was, ready for a corrected call.
@@ -734,27 +722,27 @@ def _error_messages() -> dict[str, str]:
 
     tied = TiedLM()
     fully_shard(tied.head)
-    messages["tied: head, then root"] = _error(lambda: fully_shard(tied))
+    messages["tied: head, then root"] = error_text(lambda: fully_shard(tied))
     siblings = Siblings()
     fully_shard(siblings.a)
-    messages["tied: siblings"] = _error(lambda: fully_shard(siblings.b))
+    messages["tied: siblings"] = error_text(lambda: fully_shard(siblings.b))
 
     t = Lockstep("mlp")
     shard_mlp(t.model)
     stray = nn.Linear(2, 2)
-    messages["forward prefetch"] = _error(
+    messages["forward prefetch"] = error_text(
         lambda: t.model.set_modules_to_forward_prefetch([t.model.blocks[0], stray])
     )
-    messages["backward prefetch"] = _error(
+    messages["backward prefetch"] = error_text(
         lambda: t.model.blocks[1].set_modules_to_backward_prefetch([stray])
     )
-    messages["share_comm_ctx ok"] = _error(lambda: share_comm_ctx([t.model, t.model.blocks[0]]))
-    messages["share_comm_ctx"] = _error(lambda: share_comm_ctx([t.model, stray]))
+    messages["share_comm_ctx ok"] = error_text(lambda: share_comm_ctx([t.model, t.model.blocks[0]]))
+    messages["share_comm_ctx"] = error_text(lambda: share_comm_ctx([t.model, stray]))
     for num in (0, -1, 1.5, True):
-        messages[f"max_input_buffers={num}"] = _error(
+        messages[f"max_input_buffers={num}"] = error_text(
             lambda n=num: t.model.set_reduce_scatter_max_input_buffers(n)
         )
-    messages["divide factor 0"] = _error(lambda: t.model.set_gradient_divide_factor(0))
+    messages["divide factor 0"] = error_text(lambda: t.model.set_gradient_divide_factor(0))
     return messages
 
 

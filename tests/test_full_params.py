@@ -11,7 +11,6 @@ fsdp2-only: torch's ``fully_shard`` has no such context manager.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import expecttest
@@ -21,13 +20,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from tests.errors import error_text
 from tests.harness import IMPL_UNDER_TEST, run_on_ranks
 from tests.models import build_model, make_batch
-from tests.parity import ADAM_EPS, LR, MODEL_SEED, WEIGHT_DECAY
+from tests.parity import MODEL_SEED, adamw, train_global_batches
 
 pytestmark = pytest.mark.usefixtures("fsdp2_only")
-
-GLOBAL_BATCH = 8
 
 
 def _sharded(name: str = "gpt", **kwargs: Any) -> nn.Module:
@@ -61,21 +59,9 @@ def _assert_sharded_equals(model: nn.Module, plain: nn.Module) -> None:
 
 
 def _train(model: nn.Module, num_steps: int, sharded: bool) -> list[float]:
-    optim = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, eps=ADAM_EPS)
-    rank, world = (dist.get_rank(), dist.get_world_size()) if sharded else (0, 1)
-    rows = GLOBAL_BATCH // world
-    losses = []
-    for step in range(num_steps):
-        batch = make_batch("gpt", 300 + step, GLOBAL_BATCH)
-        loss = model(*(t[rank * rows : (rank + 1) * rows] for t in batch))
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        loss = loss.detach().clone()
-        if sharded:
-            dist.all_reduce(loss)
-        losses.append(loss.item() / world)
-    return losses
+    """``train_global_batches`` of the GPT from a fresh AdamW, on this file's batch seeds."""
+    optim = adamw(model.parameters())
+    return train_global_batches("gpt", model, optim, range(num_steps), seed=300, sharded=sharded)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,14 +190,6 @@ class Probe(nn.Module):
             pass
 
 
-def _error(fn: Callable[[], Any]) -> str:
-    try:
-        fn()
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-    return "no error"
-
-
 def _nested(model: nn.Module) -> None:
     from fsdp2 import summon_full_params
 
@@ -232,15 +210,15 @@ def _misuse() -> dict[str, str]:
     out = {}
     for where in ("forward", "backward"):
         probe = fully_shard(Probe(where))
-        out[where] = _error(lambda p=probe: p(torch.ones(2, 4)).backward())
+        out[where] = error_text(lambda p=probe: p(torch.ones(2, 4)).backward())
         probe.reset_iter_state()
         probe.where = ""
         probe(torch.ones(2, 4)).backward()  # recovered: the next iteration runs
     model, plain = _sharded(), build_model("gpt", MODEL_SEED)
-    out["nested"] = _error(lambda: _nested(model))
-    out["replaced"] = _error(lambda: _replace(model))
+    out["nested"] = error_text(lambda: _nested(model))
+    out["replaced"] = error_text(lambda: _replace(model))
     _assert_sharded_equals(model, plain)  # nothing written back, shards registered again
-    out["rank0_only with writeback"] = _error(
+    out["rank0_only with writeback"] = error_text(
         lambda: summon_full_params(model, rank0_only=True).__enter__()
     )
 
@@ -249,9 +227,9 @@ def _misuse() -> dict[str, str]:
             if dist.get_rank() == 1:
                 model(*make_batch("gpt", 1, 4))
 
-    out["rank0_only forward"] = _error(forward_on_rank_1)
-    out["not fsdp2"] = _error(lambda: summon_full_params(nn.Linear(2, 2)).__enter__())
-    out["not fsdp2, recurse=False"] = _error(
+    out["rank0_only forward"] = error_text(forward_on_rank_1)
+    out["not fsdp2"] = error_text(lambda: summon_full_params(nn.Linear(2, 2)).__enter__())
+    out["not fsdp2, recurse=False"] = error_text(
         lambda: summon_full_params(model.ln_f, recurse=False).__enter__()
     )
     return out

@@ -17,7 +17,6 @@ from typing import Any
 import expecttest
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
@@ -27,37 +26,27 @@ from torch.utils._pytree import tree_flatten
 from tests.harness import IMPL_UNDER_TEST, fsdp_api, run_on_ranks
 from tests.models import GPT, GPT_SEQ, MLPStack, build_model, make_batch
 from tests.parity import (
-    ADAM_EPS,
-    LR,
     MODEL_SEED,
-    WEIGHT_DECAY,
     ParityConfig,
+    adamw,
     check_sharded_layout,
     shard_model,
+    train_global_batches,
 )
 
-GLOBAL_BATCH = 8
 
-
-def _train(name: str, model: nn.Module, num_steps: int, sharded: bool, **cast: Any) -> list[float]:
-    """AdamW steps on fixed global batches; a sharded model takes its rank's rows of each.
-    ``cast``: ``Tensor.to`` arguments for floating-point inputs (e.g. ``dtype=torch.float64``)."""
-    optim = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, eps=ADAM_EPS)
-    rank, world = (dist.get_rank(), dist.get_world_size()) if sharded else (0, 1)
-    rows = GLOBAL_BATCH // world
-    losses = []
-    for step in range(num_steps):
-        batch = [t[rank * rows : (rank + 1) * rows] for t in make_batch(name, 900 + step, 8)]
-        batch = [t.to(**cast) if t.is_floating_point() else t for t in batch]
-        loss = model(*batch)
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        loss = loss.detach().clone()
-        if sharded:
-            dist.all_reduce(loss)
-        losses.append(loss.item() / world)
-    return losses
+def _train(
+    name: str,
+    model: nn.Module,
+    num_steps: int,
+    sharded: bool,
+    input_dtype: torch.dtype | None = None,
+) -> list[float]:
+    """``train_global_batches`` from a fresh AdamW, on this file's batch seeds."""
+    optim = adamw(model.parameters())
+    return train_global_batches(
+        name, model, optim, range(num_steps), seed=900, sharded=sharded, input_dtype=input_dtype
+    )
 
 
 def _plain_copy(name: str, model: nn.Module, **cast: Any) -> nn.Module:
@@ -269,9 +258,10 @@ def _to_float64_trains_like_plain(name: str) -> None:
         check_sharded_layout(key, param, expected.shape)
         assert param.dtype == torch.float64, key
         torch.testing.assert_close(param.full_tensor(), expected, rtol=0, atol=0)
-    f64 = {"dtype": torch.float64}
-    losses = _train(name, model, 3, sharded=True, **f64)
-    torch.testing.assert_close(losses, _train(name, plain, 3, sharded=False, **f64))
+    losses = _train(name, model, 3, sharded=True, input_dtype=torch.float64)
+    torch.testing.assert_close(
+        losses, _train(name, plain, 3, sharded=False, input_dtype=torch.float64)
+    )
     for (key, param), (_, expected) in zip(
         model.named_parameters(), plain.named_parameters(), strict=True
     ):

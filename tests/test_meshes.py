@@ -34,6 +34,7 @@ from tests.dp_parity import (
     same_on_all_ranks,
     train_side_by_side,
 )
+from tests.errors import raised
 from tests.harness import fsdp_api, init_local_process_group, run_on_ranks
 from tests.models import MODELS, MLPStack, build_model
 
@@ -305,15 +306,6 @@ def test_ignored_params() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def raised(fn: Callable[[], Any]) -> str:
-    """``"<ExceptionType>: <message>"`` of what ``fn`` raises: the type is part of the contract."""
-    try:
-        fn()
-    except Exception as e:  # any type: the caller pins which
-        return f"{type(e).__name__}: {e}"
-    raise AssertionError(f"{fn} did not raise")
-
-
 def linear() -> nn.Linear:
     torch.manual_seed(0)
     return nn.Linear(4, 2)
@@ -393,3 +385,31 @@ class TestMeshErrors(expecttest.TestCase):
             self.shard(mesh, shard_placement_fn=lambda p: Replicate()),
             """ValueError: shard_placement_fn must return None or a Shard placement for weight, got Replicate()""",
         )
+
+
+def _replicate_bf16() -> tuple[float, float, str]:
+    import fsdp2
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+    model = copy.deepcopy(reference)
+    policy = fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fsdp2.replicate(model, mp_policy=policy)
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    reference(x).pow(2).mean().backward()
+    model(x[rank * 4 : (rank + 1) * 4]).float().pow(2).mean().backward()
+    errors = [
+        ((p.grad.to_local() - q.grad).norm() / q.grad.norm()).item()
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True)
+    ]
+    weight = model[0].weight
+    return max(errors), weight.grad.to_local().abs().sum().item(), str(weight.dtype)
+
+
+def test_replicate_with_mixed_precision() -> None:
+    # A replicate-only mesh has no shard group: the bf16 cast is the whole "gather".
+    results = run_on_ranks(2, _replicate_bf16)
+    assert results[0][1] == results[1][1], results  # ranks hold the same all-reduced gradient
+    assert results[0][2] == "torch.float32", results  # parameters stay in their own dtype
+    assert results[0][0] < 2e-2, results  # bf16 compute, fp32 reduction

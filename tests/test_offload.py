@@ -17,9 +17,10 @@ from torch.distributed.tensor import DTensor
 
 import fsdp2
 from fsdp2 import CPUOffloadPolicy, MixedPrecisionPolicy
-from tests.dp_parity import FP32, SAME_ARITHMETIC, adamw, cast_forward, kinds, train_side_by_side
+from tests.dp_parity import FP32, SAME_ARITHMETIC, cast_forward, kinds, train_side_by_side
 from tests.harness import run_on_ranks
 from tests.models import MODELS, build_model
+from tests.parity import adamw
 
 SEED = 1234
 

@@ -21,19 +21,17 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
+from tests.errors import error_text
 from tests.harness import IMPL_UNDER_TEST, fsdp_api, run_on_ranks
-from tests.models import build_model, make_batch
+from tests.models import build_model
 from tests.parity import (
-    ADAM_EPS,
-    LR,
     MODEL_SEED,
-    WEIGHT_DECAY,
     ParityConfig,
+    adamw,
     check_sharded_layout,
     shard_model,
+    train_global_batches,
 )
-
-GLOBAL_BATCH = 8
 
 
 def _shard(name: str, model: nn.Module) -> nn.Module:
@@ -53,25 +51,9 @@ def _unshard_all(model: nn.Module) -> None:
 
 
 def _train(name: str, model: nn.Module, num_steps: int, sharded: bool) -> list[float]:
-    """AdamW steps on fixed global batches; a sharded model takes its rank's rows of each."""
-    optim = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, eps=ADAM_EPS)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    rows = GLOBAL_BATCH // world
-    losses = []
-    for step in range(num_steps):
-        batch = make_batch(name, 500 + step, GLOBAL_BATCH)
-        if sharded:
-            batch = tuple(t[rank * rows : (rank + 1) * rows] for t in batch)
-        loss = model(*batch)
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        loss = loss.detach().clone()
-        if sharded:
-            dist.all_reduce(loss)
-            loss /= world
-        losses.append(loss.item())
-    return losses
+    """``train_global_batches`` from a fresh AdamW, on this file's batch seeds."""
+    optim = adamw(model.parameters())
+    return train_global_batches(name, model, optim, range(num_steps), seed=500, sharded=sharded)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,14 +174,6 @@ def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def _error(fn: Any) -> str:
-    try:
-        fn()
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-    return "no error"
-
-
 def _bad_loads() -> dict[str, str]:
     fully_shard = fsdp_api(IMPL_UNDER_TEST).fully_shard
     model = _shard("mlp", build_model("mlp", MODEL_SEED))
@@ -224,7 +198,7 @@ def _bad_loads() -> dict[str, str]:
         for unsharded in (False, True):
             if unsharded:
                 _unshard_all(model)
-            message = _error(lambda sd=state_dict: model.load_state_dict(sd))
+            message = error_text(lambda sd=state_dict: model.load_state_dict(sd))
             after = _snapshot(model)
             untouched = all(torch.equal(after[k], before[k]) for k in before)
             assert untouched, f"{case}: the model changed"
@@ -236,7 +210,7 @@ def _bad_loads() -> dict[str, str]:
     out["strict=False loaded"] = str(
         all(torch.equal(loaded[k], good[k] if k in lenient else before[k]) for k in before)
     )
-    out["strict=False wrong shape"] = _error(
+    out["strict=False wrong shape"] = error_text(
         lambda: model.load_state_dict(cases["wrong shape"], strict=False)
     )
     return out

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import expecttest
@@ -35,6 +34,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 import fsdp2
 from fsdp2 import DataParallelMeshDims, MixedPrecisionPolicy
 from tests.dp_parity import BF16_TOL, Tolerance, cast_forward, full, train_side_by_side
+from tests.errors import raised
 from tests.harness import fsdp_api, init_local_process_group, run_on_ranks
 from tests.models import Batch
 
@@ -237,15 +237,6 @@ def test_fsdp_tp_parity(
 # ---------------------------------------------------------------------------------------------
 # Errors
 # ---------------------------------------------------------------------------------------------
-
-
-def raised(fn: Callable[[], Any]) -> str:
-    """``"<ExceptionType>: <message>"`` of what ``fn`` raises: the type is part of the contract."""
-    try:
-        fn()
-    except Exception as e:  # any type: the caller pins which
-        return f"{type(e).__name__}: {e}"
-    raise AssertionError(f"{fn} did not raise")
 
 
 def _partial_reshard_with_tp() -> str:
