@@ -23,6 +23,7 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -50,12 +51,12 @@ parser.add_argument("--layers", type=int, help="blocks (default: mlp-stack 96, g
 parser.add_argument("--dim", type=int, help="width (default: mlp-stack 64, gpt/llama 128)")
 parser.add_argument("--heads", type=int, help="attention heads (gpt/llama, default 4)")
 parser.add_argument("--seq", type=int, help="sequence length (gpt/llama, default 64)")
-parser.add_argument("--batch", type=int, default=16, help="global batch, split across ranks")
-parser.add_argument("--contenders", default="fsdp2,torch,ddp,single", help="comma-separated")
-parser.add_argument("--warmup", type=int, default=3, help="untimed steps per contender")
-parser.add_argument("--rounds", type=int, default=10, help="interleaved timing rounds (≥5)")
-parser.add_argument("--steps", type=int, default=3, help="steps per contender per round")
-parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+parser.add_argument("--batch", type=int, default=16, help="global batch (%(default)s)")
+parser.add_argument("--contenders", default="fsdp2,torch,ddp,single", help="(%(default)s)")
+parser.add_argument("--warmup", type=int, default=3, help="untimed steps each (%(default)s)")
+parser.add_argument("--rounds", type=int, default=10, help="timing rounds, ≥5 (%(default)s)")
+parser.add_argument("--steps", type=int, default=3, help="steps per round each (%(default)s)")
+parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (%(default)s)")
 parser.add_argument("--no-memory", action="store_true", help="skip peak memory (needs g++)")
 parser.add_argument("--json", type=Path, help="append one JSON line with all results here")
 args = parser.parse_args()
@@ -164,11 +165,11 @@ del contenders, c
 def measure_memory(name: str, mem: CPUMemory) -> tuple[int, int]:
     """(peak bytes during the third step, bytes live when it starts: params + optimizer state)."""
     gc.collect()
-    base = mem.live_bytes()
+    base = mem.settled_live_bytes()
     c = build(name)
     for _ in range(2):  # the optimizer state exists, DDP has rebuilt its buckets
         train_step(c)
-    state = mem.live_bytes() - base
+    state = mem.settled_live_bytes() - base
     mem.reset_peak()
     train_step(c)
     return mem.peak_bytes() - base, state
@@ -177,6 +178,7 @@ def measure_memory(name: str, mem: CPUMemory) -> tuple[int, int]:
 memory: dict[str, tuple[int, int]] = {}
 if cpu_memory is not None:
     with cpu_memory:
+        measure_memory("single", cpu_memory)  # throwaway: first-use allocations land here
         memory = {n: measure_memory(n, cpu_memory) for n in names if n != "torch#2"}
 
 # ---------------------------------------------------------------------------------------------
@@ -184,9 +186,22 @@ if cpu_memory is not None:
 
 per_rank: list[dict[str, dict]] = [{}] * world_size
 dist.all_gather_object(per_rank, {"step_s": step_s, "memory": memory})
-dist.destroy_process_group()
+
+
+def leave() -> NoReturn:
+    """Exit without finalizing the interpreter. gloo's worker threads release a finished
+    collective's tensors a moment after `wait()` returns; if that lands during interpreter shutdown,
+    the worker's GIL acquire kills the thread inside a destructor and the process aborts
+    ("terminate called without an active exception"). Seen here after all_gather_object."""
+    dist.barrier()  # rank 0 has reported; leave together
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if rank != 0:
-    sys.exit()
+    leave()
 
 plain = build_model(args.model, size)
 total_bytes = param_bytes([plain])
@@ -304,3 +319,4 @@ if args.json:
     }
     with args.json.open("a") as f:
         f.write(json.dumps(record) + "\n")
+leave()

@@ -129,6 +129,18 @@ class CPUMemory:
     def live_bytes(self) -> int:
         return int(self._ext.live_bytes())
 
+    def settled_live_bytes(self, timeout_s: float = 1.0) -> int:
+        """`live_bytes()` once it holds still for 20 ms: gloo's worker threads drop a finished
+        collective's buffers a moment after `wait()` returns (seen: a whole unsharded block)."""
+        last, steady = self.live_bytes(), 0
+        deadline = time.monotonic() + timeout_s
+        while steady < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+            now = self.live_bytes()
+            steady = steady + 1 if now == last else 0
+            last = now
+        return last
+
     def peak_bytes(self) -> int:
         """Most bytes live since the last `reset_peak()`."""
         return int(self._ext.peak_bytes())

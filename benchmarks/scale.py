@@ -40,15 +40,17 @@ except Exception as e:  # fsdp2 may be mid-rewrite: run torch alone and say why
     fsdp2_fully_shard, fsdp2_missing = None, f"{type(e).__name__}: {e}"
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-parser.add_argument("--model", choices=MODELS, default="llama")
-parser.add_argument("--layers", type=int, default=4)
-parser.add_argument("--dim", type=int, default=256)
-parser.add_argument("--heads", type=int, default=4)
-parser.add_argument("--seq", type=int, default=16)
-parser.add_argument("--batch", type=int, default=1, help="rank 0's batch: small, overhead shows")
-parser.add_argument("--worlds", default="8,16,32,64,128,256,512,1024", help="world sizes W")
-parser.add_argument("--impls", default="fsdp2,torch", help="comma-separated: fsdp2, torch")
-parser.add_argument("--steps", type=int, default=5, help="timed steps per (W, impl)")
+parser.add_argument("--model", choices=MODELS, default="llama", help="(%(default)s)")
+parser.add_argument("--layers", type=int, default=4, help="blocks (%(default)s)")
+parser.add_argument("--dim", type=int, default=256, help="width (%(default)s)")
+parser.add_argument("--heads", type=int, default=4, help="attention heads (%(default)s)")
+parser.add_argument("--seq", type=int, default=16, help="sequence length (%(default)s)")
+parser.add_argument("--batch", type=int, default=1, help="rank 0's batch, small (%(default)s)")
+parser.add_argument("--worlds", default="8,16,32,64,128,256,512,1024", help="(%(default)s)")
+parser.add_argument("--impls", default="fsdp2,torch", help="comma-separated (%(default)s)")
+parser.add_argument(
+    "--steps", type=int, default=10, help="timed steps per W and impl (%(default)s)"
+)
 parser.add_argument("--json", type=Path, help="append one JSON line with all results here")
 args = parser.parse_args()
 

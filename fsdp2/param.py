@@ -10,7 +10,6 @@ contributes it as a one-element chunk, so it still rides in the group's single c
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable
 from enum import Enum, auto
 from typing import TYPE_CHECKING
@@ -75,7 +74,6 @@ class FSDPParam:
         self.unsharded_param: nn.Parameter  # plain tensor viewing the unsharded buffer
         self.grad_node: torch.autograd.graph.Node | None = None  # AccumulateGrad, kept alive
         self.unreduced: torch.Tensor | None = None  # no-sync gradient sum, in reduce_dtype
-        self._grad_wrapper: DTensor | None = None  # see make_grad
 
     def plan(self, info: MeshInfo) -> None:
         """Fix this rank's chunk: ``chunk_numel`` (padded, equal on all ranks) and the real part,
@@ -180,17 +178,10 @@ class FSDPParam:
 
     def make_grad(self, local: torch.Tensor) -> DTensor:
         """A gradient with the sharded parameter's placement, wrapping ``local`` without a copy.
-
-        Building a DTensor costs more than the rest of a small parameter's backward, so the last
-        wrapper is reused, but only when nothing outside fsdp2 still holds it (after
-        ``zero_grad(set_to_none=True)`` dropped it): then nobody can see it change."""
-        cached = self._grad_wrapper
-        if cached is not None and sys.getrefcount(cached) == 2:  # our attribute + the argument
-            cached._local_tensor = local
-            return cached
+        (A new wrapper each time, about 1.5 us: keeping one to reuse would keep the previous
+        step's gradient alive after ``zero_grad`` dropped it.)"""
         spec = self.sharded_param._spec  # type: ignore[attr-defined]
-        self._grad_wrapper = DTensor(local, spec, requires_grad=False)  # type: ignore[no-untyped-call]
-        return self._grad_wrapper
+        return DTensor(local, spec, requires_grad=False)  # type: ignore[no-untyped-call]
 
     def __repr__(self) -> str:
         return f"FSDPParam({self.fqn}, shape={tuple(self.shape)}, chunk={self.chunk_numel})"

@@ -255,7 +255,7 @@ class FSDPParamGroup:
 
     # -- unshard / reshard -----------------------------------------------------------------------
 
-    def unshard(self) -> None:
+    def unshard(self, async_op: bool = True) -> None:
         """Start gathering the full parameters (no-op if unsharded or already under way)."""
         if self.state is ShardedState.UNSHARDED or self._gather is not None or self.alias:
             return
@@ -303,13 +303,14 @@ class FSDPParamGroup:
             # a collective may mark its output written when it completes, on its own thread,
             # which would trip autograd's check on the very tensors it saved in forward.
             out = source.new_empty(out_numel)
-        self._gather = (all_gather(out, source, group, self.label, comm), out, packing)
+        pending = all_gather(out, source, group, self.label, comm, async_op)
+        self._gather = (pending, out, packing)
 
     def wait_for_unshard(self) -> None:
         """Finish the gather, if any, and register the unsharded parameters on the modules."""
         if self.state is ShardedState.UNSHARDED:
             return
-        self.unshard()
+        self.unshard(async_op=False)  # nothing to overlap with: we wait right away
         if self._gather is not None:
             pending, out, packing = self._gather
             self._gather = None
