@@ -83,6 +83,10 @@ class Pending:
             self._work.wait()
             self._work = None
 
+    def done(self) -> bool:
+        """Whether ``wait()`` would return at once (never blocks)."""
+        return self._work is None or self._work.is_completed()
+
 
 class Comm(ABC):
     """A user-supplied collective: where its buffers come from, and how it runs."""

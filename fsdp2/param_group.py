@@ -273,8 +273,6 @@ class FSDPParamGroup:
             raise AssertionError(
                 f"unshard '{self.label}': expected the unsharded buffer to be allocated, found None"
             )
-        storage = self.unsharded_flat.untyped_storage()
-        storage.resize_(self.unsharded_flat.numel() * self.unsharded_flat.element_size())
         packing = None
         if self._partial is not None:
             source, group = self._partial, self.partial_group
@@ -316,6 +314,15 @@ class FSDPParamGroup:
             self._gather = None
             self._partial = None
             pending.wait()
+            # Allocated only now, not when the gather was issued: a prefetch holds just the
+            # gather's output until the group is needed.
+            flat = self.unsharded_flat
+            if flat is None:
+                raise AssertionError(
+                    f"wait_for_unshard '{self.label}': expected the unsharded buffer made by "
+                    "unshard(), found None"
+                )
+            flat.untyped_storage().resize_(flat.numel() * flat.element_size())
             # The copy-out writes the storage of tensors autograd saved in forward; their data
             # ends up as it was then (see [Note: freeing unsharded storage]).
             flat = self.unsharded_flat
