@@ -22,9 +22,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -49,6 +51,11 @@ parser.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 grad
 parser.add_argument("--log-every", type=int, default=20, help="steps between loss lines")
 parser.add_argument("--eval-batches", type=int, default=8, help="validation batches per estimate")
 parser.add_argument("--seed", type=int, default=1337)
+parser.add_argument("--ckpt-dir", default="checkpoints", help="where checkpoints go")
+parser.add_argument(
+    "--ckpt-every", type=int, default=100, help="steps between checkpoints; 0 = none"
+)
+parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
 args = parser.parse_args()
 
 # Switching implementations is this one import: both expose the same API.
@@ -182,9 +189,56 @@ table.add_row("corpus", f"{len(train_data):,} train + {len(val_data):,} val char
 console.print(table)
 
 # -----------------------------------------------------------------------------------------------
+# Checkpoints: every rank writes its own shards (torch.distributed.checkpoint), so saving never
+# gathers the model; loading reshards, so a run may resume on a different number of ranks.
+
+ckpt_dir = Path(args.ckpt_dir)
+train_gen = torch.Generator().manual_seed(args.seed)
+
+
+def training_state(step: int) -> dict[str, object]:
+    model_state, optim_state = get_state_dict(model, optimizer)
+    # The batch generator too: a resumed run draws exactly the batches it would have drawn.
+    return {
+        "model": model_state,
+        "optim": optim_state,
+        "rng": train_gen.get_state(),
+        "step": torch.tensor(step),
+    }
+
+
+def save_checkpoint(step: int) -> None:
+    # Written under a temporary name and renamed once every rank is done: a run killed mid-save
+    # leaves a .partial directory that --resume never mistakes for a checkpoint.
+    partial, final = ckpt_dir / f".step_{step:06d}.partial", ckpt_dir / f"step_{step:06d}"
+    dcp.save(training_state(step), checkpoint_id=partial)
+    dist.barrier()
+    if rank == 0:
+        partial.rename(final)
+    dist.barrier()
+
+
+def resume() -> int:
+    """Load the latest complete checkpoint; return the step to start from."""
+    done = sorted(p for p in ckpt_dir.glob("step_*") if (p / ".metadata").is_file())
+    if not done:
+        console.print(f"no checkpoint in {ckpt_dir}/: starting from step 0")
+        return 0
+    state = training_state(0)
+    dcp.load(state, checkpoint_id=done[-1])
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    train_gen.set_state(state["rng"])
+    step = int(state["step"]) + 1
+    console.print(f"resumed from {done[-1]}: continuing at step {step}")
+    return step
+
+
+# -----------------------------------------------------------------------------------------------
 # Training loop
 
-train_gen = torch.Generator().manual_seed(args.seed)
+start_step = resume() if args.resume else 0
 initial_val = val_loss()
 window_loss, window_steps = torch.zeros((), device=device), 0
 first_loss = last_loss = float("nan")
@@ -199,8 +253,8 @@ progress = Progress(
     disable=rank != 0,
 )
 with progress:
-    task = progress.add_task("train", total=args.steps, loss="-")
-    for step in range(args.steps):
+    task = progress.add_task("train", total=args.steps, loss="-", completed=start_step)
+    for step in range(start_step, args.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
         x, y = get_batch(train_data, train_gen)
@@ -216,9 +270,9 @@ with progress:
         window_loss += loss.detach()
         window_steps += 1
         # Sync for logging only every few steps (and at step 0, for the starting loss).
-        if step % args.log_every == 0 or step == args.steps - 1:
+        if step % args.log_every == 0 or step == args.steps - 1 or step == start_step:
             last_loss = mean_over_ranks(window_loss, window_steps)
-            if step == 0:
+            if step == start_step:
                 first_loss = last_loss
             ms = 1000 * (time.perf_counter() - t_window) / window_steps
             progress.console.print(
@@ -228,11 +282,13 @@ with progress:
             window_loss.zero_()
             window_steps, t_window = 0, time.perf_counter()
         progress.advance(task)
+        if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
+            save_checkpoint(step)
 
 elapsed = time.perf_counter() - t_start
 final_val = val_loss()
 console.print(
-    f"[bold green]done[/]: {args.steps} steps in {elapsed:.1f}s | "
+    f"[bold green]done[/]: {args.steps - start_step} steps in {elapsed:.1f}s | "
     f"train loss {first_loss:.3f} -> {last_loss:.3f} | val loss {initial_val:.3f} -> {final_val:.3f}",
     soft_wrap=True,  # one line even in a narrow terminal or a CI log: easy to grep
 )
