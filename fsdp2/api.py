@@ -213,7 +213,11 @@ def _resolve_reshard_after_forward(
             "supported; use True or False for modules whose parameters are DTensors"
         )
     mesh = info.mesh
-    if mesh.mesh.numel() != dist.get_world_size() or info.shard_axis is None:
+    if (
+        mesh.mesh.numel() != dist.get_world_size()
+        or info.shard_axis is None
+        or len(info.shard_axes) > 1
+    ):
         raise NotImplementedError(
             f"reshard_after_forward={value} needs a mesh over all {dist.get_world_size()} ranks "
             f"(got one of {mesh.mesh.numel()}): every rank must create every k-rank group"

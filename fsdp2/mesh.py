@@ -35,12 +35,17 @@ class MeshInfo:
     shard_rank: int  # this rank's index among them
     replicate_group: dist.ProcessGroup | None
     replicate_size: int
+    # dp_mesh_dims naming several dims: all of them, in mesh order, flattened into one group
+    # (``shard_axis`` is then the first). Parameters must split evenly over the product.
+    shard_axes: tuple[int, ...] = ()
 
     def placements(self, on_shard_axis: Placement) -> tuple[Placement, ...]:
-        """Placements over every mesh dim: ``on_shard_axis`` there, ``Replicate()`` elsewhere."""
+        """Placements over every mesh dim: ``on_shard_axis`` on the shard dim(s), ``Replicate()``
+        elsewhere. Over several flattened dims, DTensor nests the splits in mesh order, which is
+        the flattened rank order for sizes that divide evenly."""
         placements: list[Placement] = [Replicate()] * self.mesh.ndim
-        if self.shard_axis is not None:
-            placements[self.shard_axis] = on_shard_axis
+        for axis in self.shard_axes or ((self.shard_axis,) if self.shard_axis is not None else ()):
+            placements[axis] = on_shard_axis
         return tuple(placements)
 
 
@@ -85,8 +90,12 @@ def mesh_info(
             )
         shard_axis, replicate_axis = None, 0
     elif dp_mesh_dims is not None:
-        shard_axis = _axis_of(mesh, dp_mesh_dims.shard_names, "shard")
-        replicate_axis = _axis_of(mesh, dp_mesh_dims.replicate_names, "replicate")
+        shard_axes = _axes_of(mesh, dp_mesh_dims.shard_names, "shard")
+        replicate_axes = _axes_of(mesh, dp_mesh_dims.replicate_names, "replicate")
+        if len(shard_axes) > 1 or len(replicate_axes) > 1:
+            return _flattened(mesh, shard_axes, replicate_axes, replicate_only, dp_mesh_dims)
+        shard_axis = shard_axes[0] if shard_axes else None
+        replicate_axis = replicate_axes[0] if replicate_axes else None
     elif mesh.ndim == 1:
         shard_axis, replicate_axis = 0, None
     elif mesh.ndim == 2:
@@ -120,25 +129,63 @@ def mesh_info(
     )
 
 
-def _axis_of(mesh: DeviceMesh, names: tuple[str, ...], role: str) -> int | None:
+def _axes_of(mesh: DeviceMesh, names: tuple[str, ...], role: str) -> tuple[int, ...]:
+    """The mesh dims ``names`` refer to, in mesh order."""
     if not names:
-        return None
+        return ()
     dims = mesh.mesh_dim_names
     if dims is None:
         raise ValueError(
             f"dp_mesh_dims names mesh dims ({role}={names}), but the mesh has no dim names. "
             "Build it with init_device_mesh(..., mesh_dim_names=(...))"
         )
-    if len(names) != 1:
-        raise NotImplementedError(
-            f"dp_mesh_dims {role}={names}: flattening several mesh dims into one is not "
-            "supported yet; flatten them first (mesh[names]._flatten()) and name the result"
-        )
-    if names[0] not in dims:
+    for name in names:
+        if name not in dims:
+            raise ValueError(
+                f"dp_mesh_dims {role}={name!r} is not a dim of the mesh; its dims are {dims}"
+            )
+    return tuple(sorted(dims.index(name) for name in names))
+
+
+def _flattened(
+    mesh: DeviceMesh,
+    shard_axes: tuple[int, ...],
+    replicate_axes: tuple[int, ...],
+    replicate_only: bool,
+    dp_mesh_dims: DataParallelMeshDims,
+) -> MeshInfo:
+    """MeshInfo for dp_mesh_dims naming several dims per role: each role's dims flattened into
+    one process group (``DeviceMesh._flatten``; every rank builds it at fully_shard time)."""
+    if replicate_only and shard_axes:
         raise ValueError(
-            f"dp_mesh_dims {role}={names[0]!r} is not a dim of the mesh; its dims are {dims}"
+            "replicate() takes replicate-only dims; dp_mesh_dims names a shard dim "
+            f"({dp_mesh_dims}). Use fully_shard() to shard"
         )
-    return dims.index(names[0])
+    names = mesh.mesh_dim_names or ()
+
+    def flat(axes: tuple[int, ...]) -> DeviceMesh | None:
+        if not axes:
+            return None
+        sub = mesh[tuple(names[a] for a in axes)]
+        return sub._flatten() if len(axes) > 1 else sub
+
+    shard, replicate = flat(shard_axes), flat(replicate_axes)
+    if len(replicate_axes) > 1:
+        raise NotImplementedError(
+            f"dp_mesh_dims replicate={dp_mesh_dims.replicate}: several replicate dims are not "
+            "supported yet (their placements would nest); name one replicate dim"
+        )
+    return MeshInfo(
+        mesh=mesh,
+        shard_axis=shard_axes[0] if shard_axes else None,
+        replicate_axis=replicate_axes[0] if replicate_axes else None,
+        shard_group=shard.get_group() if shard is not None else None,
+        shard_size=shard.size() if shard is not None else 1,
+        shard_rank=shard.get_local_rank() if shard is not None else 0,
+        replicate_group=replicate.get_group() if replicate is not None else None,
+        replicate_size=replicate.size() if replicate is not None else 1,
+        shard_axes=shard_axes,
+    )
 
 
 def sharded_layout(
@@ -152,13 +199,23 @@ def sharded_layout(
         return info.mesh, info.placements(inner)
     if outer.mesh == info.mesh:  # dp_mesh_dims: parameters already on the full mesh
         placements = list(outer.placements)
-        for axis in (info.shard_axis, info.replicate_axis):
+        for axis in (*info.shard_axes, info.shard_axis, info.replicate_axis):
             if axis is not None and not isinstance(placements[axis], Replicate):
                 raise ValueError(
                     f"{fqn} is {placements[axis]!r} on data-parallel mesh dim {axis}; "
                     "dp_mesh_dims expects parameters replicated over the data-parallel dims"
                 )
         mesh, shard_axis = info.mesh, info.shard_axis
+        if len(info.shard_axes) > 1:
+            if any(p == inner for p in placements):
+                raise NotImplementedError(
+                    f"{fqn}: tensor parallelism already splits it as {inner!r}, and nesting "
+                    "that under several flattened data-parallel dims is not supported; shard "
+                    "another dim (shard_placement_fn) or name one shard dim"
+                )
+            for axis in info.shard_axes:
+                placements[axis] = inner
+            return mesh, tuple(placements)
     else:
         mesh = info.mesh._get_root_mesh()
         if outer.mesh._get_root_mesh() != mesh or not mesh.mesh_dim_names:

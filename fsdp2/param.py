@@ -92,6 +92,11 @@ class FSDPParam:
         self.mesh, self.placements = sharded_layout(info, self.outer_spec, Shard(dim), self.fqn)
         strided = any(isinstance(pl, _StridedShard) for pl in self.placements)
         rows = self.shape[dim]
+        if len(info.shard_axes) > 1 and rows % world:
+            raise NotImplementedError(
+                f"{self.fqn}: dim {dim} of size {rows} does not split evenly over the {world} "
+                "ranks of the flattened data-parallel dims; uneven sizes need one shard dim"
+            )
         if strided and rows % world:
             raise NotImplementedError(
                 f"{self.fqn}: tensor parallelism and fsdp2 both split dim {dim}, and its local "

@@ -34,7 +34,7 @@ from tests.dp_parity import (
     same_on_all_ranks,
     train_side_by_side,
 )
-from tests.errors import raised
+from tests.errors import error_text, raised
 from tests.harness import fsdp_api, init_local_process_group, run_on_ranks
 from tests.models import MODELS, MLPStack, build_model
 
@@ -333,13 +333,6 @@ class TestMeshErrors(expecttest.TestCase):
             """ValueError: dp_mesh_dims shard='fsdp' is not a dim of the mesh; its dims are ('dp', 'tp')""",
         )
 
-    def test_dp_mesh_dims_flattening(self) -> None:
-        mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("a", "b", "tp"))
-        self.assertExpectedInline(
-            self.shard(mesh, dp_mesh_dims=DataParallelMeshDims(shard=("a", "b"))),
-            """NotImplementedError: dp_mesh_dims shard=('a', 'b'): flattening several mesh dims into one is not supported yet; flatten them first (mesh[names]._flatten()) and name the result""",
-        )
-
     def test_dp_mesh_dims_empty(self) -> None:
         self.assertExpectedInline(
             raised(DataParallelMeshDims),
@@ -413,3 +406,43 @@ def test_replicate_with_mixed_precision() -> None:
     assert results[0][1] == results[1][1], results  # ranks hold the same all-reduced gradient
     assert results[0][2] == "torch.float32", results  # parameters stay in their own dtype
     assert results[0][0] < 2e-2, results  # bf16 compute, fp32 reduction
+
+
+def _flattened_shard_dims() -> tuple[str, str, str]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fsdp2
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    dims = fsdp2.DataParallelMeshDims(shard=("a", "b"))
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+    model = copy.deepcopy(reference)
+    fsdp2.fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(3):
+        x = torch.randn(8, 8, generator=torch.Generator().manual_seed(step))
+        reference(x).pow(2).mean().backward()
+        model(x[rank * 2 : (rank + 1) * 2]).pow(2).mean().backward()
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6)
+        for optimizer in (ref_opt, opt):
+            optimizer.step()
+            optimizer.zero_grad()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.full_tensor(), q, rtol=1e-5, atol=1e-6)
+    uneven = nn.Linear(8, 6)  # 6 rows over 4 flattened ranks
+    return (
+        str(model[0].weight.placements),
+        str(tuple(model[0].weight.to_local().shape)),
+        error_text(lambda: fsdp2.fully_shard(uneven, mesh=mesh, dp_mesh_dims=dims)),
+    )
+
+
+def test_dp_mesh_dims_flattens_several_shard_dims() -> None:
+    placements, local_shape, uneven = run_on_ranks(4, _flattened_shard_dims)[3]
+    assert placements == "(Shard(dim=0), Shard(dim=0))", placements
+    assert local_shape == "(4, 8)", local_shape  # 16 rows over 2 x 2 ranks
+    assert uneven.startswith("NotImplementedError: weight: dim 0 of size 6 does not split"), uneven
