@@ -35,17 +35,25 @@ __all__ = [
 ]
 
 
+# Argument types shared by the signatures below. True/False/None, or an int: see fully_shard.
+ReshardAfterForward = bool | int | None
+# Returns None (dim 0), a Shard(dim), or a result with .placement and .mesh_info.mesh.
+PlacementFn = Callable[[nn.Parameter], Any] | None
+IgnoredParams = set[nn.Parameter] | None
+MeshDims = DataParallelMeshDims | None
+
+
 @overload
 def fully_shard(
     module: nn.Module,
     *,
     mesh: DeviceMesh | None = ...,
-    reshard_after_forward: bool | int | None = ...,
-    shard_placement_fn: Callable[[nn.Parameter], Any] | None = ...,
+    reshard_after_forward: ReshardAfterForward = ...,
+    shard_placement_fn: PlacementFn = ...,
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
-    ignored_params: set[nn.Parameter] | None = ...,
-    dp_mesh_dims: DataParallelMeshDims | None = ...,
+    ignored_params: IgnoredParams = ...,
+    dp_mesh_dims: MeshDims = ...,
 ) -> FSDPModule: ...
 
 
@@ -54,12 +62,12 @@ def fully_shard(
     module: list[nn.Module],
     *,
     mesh: DeviceMesh | None = ...,
-    reshard_after_forward: bool | int | None = ...,
-    shard_placement_fn: Callable[[nn.Parameter], Any] | None = ...,
+    reshard_after_forward: ReshardAfterForward = ...,
+    shard_placement_fn: PlacementFn = ...,
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
-    ignored_params: set[nn.Parameter] | None = ...,
-    dp_mesh_dims: DataParallelMeshDims | None = ...,
+    ignored_params: IgnoredParams = ...,
+    dp_mesh_dims: MeshDims = ...,
 ) -> list[FSDPModule]: ...
 
 
@@ -67,7 +75,7 @@ def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool | int | None = None,
+    reshard_after_forward: ReshardAfterForward = None,
     shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (frozen)
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008
