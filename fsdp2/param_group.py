@@ -13,24 +13,15 @@ resharding shrinks the storage under ``unsharded_flat`` to zero bytes, and unsha
 and refills it, so the very tensors autograd saved see valid data again in backward. The refill
 would bump their version counter and trip autograd's in-place check, so it runs under
 ``_unsafe_preserve_version_counter``: the data is, by construction, what forward used.
-
-[Note: when a group's gradients are ready]
-Each unsharded parameter that needs a gradient has a post-accumulate-grad hook. At its first call
-in a backward, the group asks the autograd engine how many of its parameters' ``AccumulateGrad``
-nodes will run in this graph task; when that many have fired, every gradient the group will get is
-in, and it reduce-scatters them in one collective. Parameters outside this backward's graph are
-not waited for; anything that never fires is caught by the end-of-backward callback.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import cast
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from fsdp2 import extension
 from fsdp2.collectives import (
@@ -38,62 +29,17 @@ from fsdp2.collectives import (
     Pending,
     ReduceScatter,
     all_gather,
-    all_reduce,
-    reduce_scatter,
 )
 from fsdp2.extension import Packing
 from fsdp2.mesh import MeshInfo
 from fsdp2.param import FSDPParam, ShardedState
 from fsdp2.policies import CPUOffloadPolicy, MixedPrecisionPolicy
+from fsdp2.reduce import GradientReduction
 
-__all__ = ["FSDPParamGroup", "PendingReduce"]
-
-
-class PendingReduce:
-    """A reduce-scatter in flight; ``finish()`` waits and returns each parameter's reduced shard."""
-
-    __slots__ = ("group", "keep_alive", "out", "params", "pending", "use_sum")
-
-    def __init__(
-        self,
-        group: FSDPParamGroup,
-        pending: Pending,
-        out: torch.Tensor | None,
-        params: list[FSDPParam],
-        keep_alive: object,
-        use_sum: bool,
-    ) -> None:
-        self.group = group
-        self.pending = pending
-        self.out = out  # 1-D, this rank's reduced chunk of every parameter in ``params``
-        self.params = params
-        self.keep_alive = keep_alive  # the collective's input must outlive it
-        self.use_sum = use_sum  # summed, not averaged: the division is still to do
-
-    def finish(self) -> list[tuple[FSDPParam, torch.Tensor]]:
-        self.pending.wait()
-        if self.out is None:  # one rank, nothing to reduce: the gradients are the shards
-            grads, self.keep_alive = self.keep_alive, None
-            return self.group.own_shards(self.params, cast("list[torch.Tensor]", grads))
-        self.keep_alive = None
-        return self.group.finish_reduce(self.out, self.params, self.use_sum)
+__all__ = ["FSDPParamGroup"]
 
 
-def accumulate_grad(fsdp_param: FSDPParam, local: torch.Tensor) -> None:
-    """Hand a reduced shard to the sharded parameter: as its gradient, or added to it."""
-    param = fsdp_param.sharded_param
-    if param.grad is None:
-        param.grad = fsdp_param.make_grad(local)
-    elif isinstance(param.grad, DTensor):
-        param.grad._local_tensor.add_(local)
-    else:
-        raise RuntimeError(
-            f"fsdp2 expected the gradient of {fsdp_param.fqn} to be None or a DTensor, found a "
-            f"{type(param.grad).__name__}; assign gradients as DTensors or set them to None"
-        )
-
-
-class FSDPParamGroup:
+class FSDPParamGroup(GradientReduction):
     """All-gathers, frees and reduce-scatters the parameters of one ``fully_shard`` call."""
 
     def __init__(
@@ -388,166 +334,6 @@ class FSDPParamGroup:
         """Bytes held by unsharded parameters now (0 when resharded; shared with the shard at W=1)."""
         flat = self.unsharded_flat
         return 0 if self.alias or flat is None else flat.untyped_storage().nbytes()
-
-    # -- gradients --------------------------------------------------------------------------------
-
-    def _on_grad_ready(self, _param: torch.Tensor) -> None:
-        task = torch._C._current_graph_task_id()
-        if task != self._task:
-            self._task = task
-            self._ready = 0
-            self._expected = sum(
-                torch._C._will_engine_execute_node(p.grad_node)
-                for p in self.trainable
-                if p.grad_node is not None
-            )
-        self._ready += 1
-        if self._ready == self._expected:
-            self.on_grads_ready()
-
-    def has_unreduced_grads(self) -> bool:
-        return any(
-            p.unsharded_param.grad is not None or p.unreduced is not None for p in self.trainable
-        )
-
-    def drop_unreduced_grads(self) -> None:
-        self._replica_partial = None
-        for fsdp_param in self.trainable:
-            fsdp_param.unsharded_param.grad = None
-            fsdp_param.unreduced = None
-
-    def reduce_grads(self) -> PendingReduce | None:
-        """Take the unsharded gradients and start their reduce-scatter; ``None`` if there are none."""
-        self._task = -1
-        self.reduced_in_backward = True
-        replicated = self.info.replicate_group is not None
-        deferring = replicated and (
-            not self.requires_all_reduce or self._replica_partial is not None
-        )
-        if self.reduce_scatter_unused or deferring:  # a fixed layout: ranks and steps agree
-            params = self.trainable
-        else:
-            params = [
-                p
-                for p in self.trainable
-                if p.unsharded_param.grad is not None or p.unreduced is not None
-            ]
-        if not params:
-            return None
-        grads = [self._take_grad(p) for p in params]
-        use_sum = self.divide_factor is not None or self.force_sum_reduction
-        if self.world == 1 and self.info.replicate_group is None and not use_sum:
-            if self.all_reduce_hook is None:
-                return PendingReduce(self, Pending(None), None, params, grads, use_sum)
-        if self.world == 1:
-            out = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0]
-            out = out.reshape(-1).to(self.reduce_dtype)
-            return PendingReduce(self, Pending(None), out, params, None, use_sum)
-        numel = sum(p.chunk_numel for p in params)
-        comm = self.custom_reduce_scatter
-        size, dtype, device = (self.world, numel), self.reduce_dtype, self.device
-        if comm is not None:
-            inp = comm.allocate(size, dtype=dtype, device=device)
-            out = comm.allocate((numel,), dtype=dtype, device=device)
-        else:
-            inp = torch.empty(size, dtype=dtype, device=device)
-            out = inp.new_empty(numel)
-        torch._chunk_cat(grads, dim=0, num_chunks=self.world, out=inp)  # casts to reduce_dtype
-        op = dist.ReduceOp.SUM if use_sum else dist.ReduceOp.AVG
-        if self.info.shard_group is None:
-            raise AssertionError(
-                f"reduce_grads '{self.label}': expected a shard group to reduce over, found None"
-            )
-        pending = reduce_scatter(out, inp.view(-1), self.info.shard_group, self.label, op, comm)
-        return PendingReduce(self, pending, out, params, inp, use_sum)
-
-    def stash_grads(self) -> None:
-        """Without gradient sync: move this backward's gradients onto the running unreduced sum,
-        kept in ``reduce_dtype`` so low-precision micro-steps don't lose bits."""
-        if self.reduce_dtype == self.param_dtype:
-            return  # autograd keeps accumulating into the unsharded .grad, already the dtype
-        for fsdp_param in self.trainable:
-            unsharded = fsdp_param.unsharded_param
-            if unsharded.grad is None:
-                continue
-            grad = unsharded.grad
-            unsharded.grad = None
-            if isinstance(grad, DTensor):
-                spec = fsdp_param.outer_spec
-                if spec is None:
-                    raise AssertionError(
-                        f"{fsdp_param.fqn}: expected a DTensor gradient only for a DTensor parameter, "
-                        "found one for a plain parameter"
-                    )
-                grad = grad.redistribute(spec.mesh, spec.placements)._local_tensor
-            grad = grad.to(self.reduce_dtype)
-            if fsdp_param.unreduced is None:
-                fsdp_param.unreduced = grad
-            else:
-                fsdp_param.unreduced += grad
-
-    def _take_grad(self, fsdp_param: FSDPParam) -> torch.Tensor:
-        unsharded = fsdp_param.unsharded_param
-        grad = unsharded.grad
-        unsharded.grad = None
-        if isinstance(grad, DTensor):  # tensor parallel: reduce the local piece of the gradient
-            spec = fsdp_param.outer_spec
-            if spec is None:
-                raise AssertionError(
-                    f"{fsdp_param.fqn}: expected a DTensor gradient only for a DTensor parameter, "
-                    "found one for a plain parameter"
-                )
-            if grad.placements != spec.placements:  # e.g. Partial after a row-wise layer
-                grad = grad.redistribute(spec.mesh, spec.placements)
-            grad = grad._local_tensor
-        if fsdp_param.unreduced is not None:  # the sum of earlier micro-steps without sync
-            grad = fsdp_param.unreduced if grad is None else fsdp_param.unreduced.add_(grad)
-            fsdp_param.unreduced = None
-        if grad is None:  # unused here, but other ranks may have used it
-            grad = torch.zeros(fsdp_param.shape, dtype=self.param_dtype, device=self.device)
-        # A scalar is replicated: every rank's chunk carries it, so each gets the reduced value.
-        if grad.dim() == 0:
-            return grad.reshape(1).expand(self.world)
-        return grad.movedim(fsdp_param.dim, 0) if fsdp_param.dim else grad
-
-    def finish_reduce(
-        self, out: torch.Tensor, params: list[FSDPParam], use_sum: bool
-    ) -> list[tuple[FSDPParam, torch.Tensor]]:
-        """After the reduce-scatter: all-reduce over replicas (HSDP), divide, run the user's
-        hook, cast to the parameters' dtype and device, and cut ``out`` into their shards."""
-        info = self.info
-        if info.replicate_group is not None:
-            if self._replica_partial is not None:  # micro-steps whose all-reduce was deferred
-                out = out.add_(self._replica_partial)
-                self._replica_partial = None
-            if not self.requires_all_reduce:
-                self._replica_partial = out
-                return []
-            op = dist.ReduceOp.SUM if use_sum else dist.ReduceOp.AVG
-            all_reduce(out, info.replicate_group, self.label, op).wait()
-        if use_sum:
-            factor = self.divide_factor or float(info.shard_size * info.replicate_size)
-            if factor != 1.0:
-                out.div_(factor)
-        if self.all_reduce_hook is not None:
-            self.all_reduce_hook(out)
-        out = out.to(self.sharded_flat.device, self.dtype)  # no-op without mp or offload
-        shards = []
-        start = 0
-        for fsdp_param in params:
-            shards.append((fsdp_param, fsdp_param.local_view(out, start)))
-            start += fsdp_param.chunk_numel
-        return shards
-
-    def own_shards(
-        self, params: list[FSDPParam], grads: list[torch.Tensor]
-    ) -> list[tuple[FSDPParam, torch.Tensor]]:
-        """With one rank and no replicas, each whole gradient is the shard: no copy, no cut."""
-        device, dtype = self.sharded_flat.device, self.dtype
-        return [
-            (p, p.param_order(g.reshape(p.local_shape)).to(device, dtype))
-            for p, g in zip(params, grads, strict=True)
-        ]
 
     def __repr__(self) -> str:
         return f"FSDPParamGroup({self.label!r}, {self.state.name}, {len(self.fsdp_params)} params)"

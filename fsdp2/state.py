@@ -35,8 +35,9 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fsdp2.param import FSDPParam
-from fsdp2.param_group import FSDPParamGroup, PendingReduce, accumulate_grad
+from fsdp2.param_group import FSDPParamGroup
 from fsdp2.policies import MixedPrecisionPolicy
+from fsdp2.reduce import PendingReduce, accumulate_grad
 
 __all__ = ["FSDPState", "IterContext", "TrainingState"]
 
