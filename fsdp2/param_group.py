@@ -201,7 +201,7 @@ class FSDPParamGroup(GradientReduction):
 
     # -- unshard / reshard -----------------------------------------------------------------------
 
-    def unshard(self, async_op: bool = True) -> None:
+    def unshard(self) -> None:
         """Start gathering the full parameters (no-op if unsharded or already under way)."""
         if self.state is ShardedState.UNSHARDED or self._gather is not None or self.alias:
             return
@@ -247,14 +247,14 @@ class FSDPParamGroup(GradientReduction):
             # a collective may mark its output written when it completes, on its own thread,
             # which would trip autograd's check on the very tensors it saved in forward.
             out = source.new_empty(out_numel)
-        pending = all_gather(out, source, group, self.label, comm, async_op)
+        pending = all_gather(out, source, group, self.label, comm)
         self._gather = (pending, out, packing)
 
     def wait_for_unshard(self) -> None:
         """Finish the gather, if any, and register the unsharded parameters on the modules."""
         if self.state is ShardedState.UNSHARDED:
             return
-        self.unshard(async_op=False)  # nothing to overlap with: we wait right away
+        self.unshard()
         if self._gather is not None:
             pending, out, packing = self._gather
             self._gather = None
