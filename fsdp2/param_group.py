@@ -93,7 +93,9 @@ class FSDPParamGroup(GradientReduction):
             storage = torch.device("cpu") if offload else device
         self._build(storage, fulls)
         # The all-gather in flight: its handle, output, and (byte-packed gathers) the packing.
-        self._gather: tuple[Pending, torch.Tensor, Packing | None] | None = None
+        # An issued gather: its handle, its output, the extension packing, and whether the
+        # output is ours to free (not a custom collective's buffer, not the shard itself).
+        self._gather: tuple[Pending, torch.Tensor, Packing | None, bool] | None = None
         # reshard_after_forward=k: the k-rank group that gathers in backward, which of the k
         # blocks of W/k consecutive ranks' chunks this rank keeps, and (in PARTIAL) that block.
         self.partial_group: dist.ProcessGroup | None = None
@@ -230,7 +232,7 @@ class FSDPParamGroup(GradientReduction):
             if self.ext_params:
                 source, packing = extension.pack(self, source)
         if self.world == 1:  # nothing to gather, only the cast, copy or packing above
-            self._gather = (Pending(None), source, packing)
+            self._gather = (Pending(None), source, packing, False)
             return
         if group is None:
             raise AssertionError(
@@ -248,7 +250,7 @@ class FSDPParamGroup(GradientReduction):
             # which would trip autograd's check on the very tensors it saved in forward.
             out = source.new_empty(out_numel)
         pending = all_gather(out, source, group, self.label, comm)
-        self._gather = (pending, out, packing)
+        self._gather = (pending, out, packing, comm is None)
 
     def wait_for_unshard(self) -> None:
         """Finish the gather, if any, and register the unsharded parameters on the modules."""
@@ -256,7 +258,7 @@ class FSDPParamGroup(GradientReduction):
             return
         self.unshard()
         if self._gather is not None:
-            pending, out, packing = self._gather
+            pending, out, packing, owned = self._gather
             self._gather = None
             self._partial = None
             pending.wait()
@@ -286,6 +288,11 @@ class FSDPParamGroup(GradientReduction):
                     sizes, targets = self._chunk_sizes, self._copy_out
                 if out is not self.unsharded_flat and targets:
                     torch.split_with_sizes_copy(rows, sizes, dim=1, out=targets)
+            if owned:
+                # Free it now: the finished collective may keep a reference to it for a while
+                # (gloo drops its own on a worker thread), and a block-sized buffer must not
+                # outlive the copy-out by chance.
+                out.untyped_storage().resize_(0)
         for fsdp_param in self.fsdp_params:
             fsdp_param.register(fsdp_param.unsharded_param)
         self.state = ShardedState.UNSHARDED

@@ -51,6 +51,9 @@ class PendingReduce:
         if self.out is None:  # one rank, nothing to reduce: the gradients are the shards
             grads, self.keep_alive = self.keep_alive, None
             return self.group.own_shards(self.params, cast("list[torch.Tensor]", grads))
+        if isinstance(self.keep_alive, torch.Tensor):
+            # Our own input buffer: free it now, not whenever the backend drops its reference.
+            self.keep_alive.untyped_storage().resize_(0)
         self.keep_alive = None
         return self.group.finish_reduce(self.out, self.params, self.use_sum)
 
@@ -157,13 +160,16 @@ class GradientReduction:
             inp = torch.empty(size, dtype=dtype, device=device)
             out = inp.new_empty(numel)
         torch._chunk_cat(grads, dim=0, num_chunks=self.world, out=inp)  # casts to reduce_dtype
+        grads.clear()  # copied: free them before the collective allocates its own buffers
         op = dist.ReduceOp.SUM if use_sum else dist.ReduceOp.AVG
         if self.info.shard_group is None:
             raise AssertionError(
                 f"reduce_grads '{self.label}': expected a shard group to reduce over, found None"
             )
         pending = reduce_scatter(out, inp.view(-1), self.info.shard_group, self.label, op, comm)
-        return PendingReduce(self, pending, out, params, inp, use_sum)
+        # A custom collective's buffers are its own (it may reuse them): only ours are freed early.
+        keep_alive = inp if comm is None else [inp]
+        return PendingReduce(self, pending, out, params, keep_alive, use_sum)
 
     def stash_grads(self) -> None:
         """Without gradient sync: move this backward's gradients onto the running unreduced sum,

@@ -337,12 +337,12 @@ class FSDPState:
         ctx = self.require_ctx()
         _trace("post_backward", self.fqn)
         ctx.queue_end_of_backward()
+        if group.reshard_after_backward:
+            group.reshard()  # first: the reduction needs only the gradients, not the parameters
         if group.reduce_grads_enabled:
             ctx.add_reduce(group.reduce_grads(), group.max_in_flight)
         else:
             group.stash_grads()
-        if group.reshard_after_backward:
-            group.reshard()
         self.training_state = TrainingState.POST_BACKWARD
 
     def __repr__(self) -> str:
