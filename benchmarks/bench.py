@@ -21,6 +21,7 @@ import json
 import os
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import NoReturn
@@ -56,6 +57,9 @@ parser.add_argument("--contenders", default="fsdp2,torch,ddp,single", help="(%(d
 parser.add_argument("--warmup", type=int, default=3, help="untimed steps each (%(default)s)")
 parser.add_argument("--rounds", type=int, default=10, help="timing rounds, ≥5 (%(default)s)")
 parser.add_argument("--steps", type=int, default=3, help="steps per round each (%(default)s)")
+parser.add_argument(
+    "--settle", type=int, default=4, help="untimed steps before each round's (%(default)s)"
+)
 parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (%(default)s)")
 parser.add_argument("--no-memory", action="store_true", help="skip peak memory (needs g++)")
 parser.add_argument("--json", type=Path, help="append one JSON line with all results here")
@@ -140,11 +144,53 @@ contenders = [build(n) for n in names]
 for _ in range(args.warmup):
     for c in contenders:
         train_step(c)
+
+
+def fsdp_collectives_alone() -> Callable[[], None] | None:
+    """The collectives of one FSDP step (per-block fully_shard, blocks reshard after forward),
+    issued back to back with no compute: what gloo alone costs, the floor under any FSDP."""
+    if world_size == 1:
+        return None
+    model = build_model(args.model, size)
+    blocks = [list(block.parameters()) for block in blocks_of(model)]
+    in_blocks = {id(p) for params in blocks for p in params}
+    root = [p for p in model.parameters() if id(p) not in in_blocks]
+
+    def shard_numel(params: list[nn.Parameter]) -> int:  # dim 0 padded to a multiple of W
+        return sum(-(-p.shape[0] // world_size) * p[0].numel() if p.dim() else 1 for p in params)
+
+    bufs = [
+        (torch.empty(n), torch.empty(n * world_size)) for n in map(shard_numel, [root, *blocks])
+    ]
+
+    def step() -> None:
+        for shard, full in bufs:  # forward: the root, then every block
+            dist.all_gather_into_tensor(full, shard, async_op=True).wait()
+        for shard, full in reversed(bufs[1:]):  # backward: each block again, then its gradients
+            dist.all_gather_into_tensor(full, shard, async_op=True).wait()
+            dist.reduce_scatter_tensor(shard, full, async_op=True).wait()
+        dist.reduce_scatter_tensor(bufs[0][0], bufs[0][1], async_op=True).wait()
+
+    return step
+
+
+comm_alone = fsdp_collectives_alone()
+comm_alone_s: list[float] = []
 step_s: dict[str, list[float]] = {n: [] for n in names}
 for _ in range(args.rounds):
     gc.collect()  # between measurements, not inside one
     for c in contenders:
+        # Untimed steps first: right after another contender, a contender's steps are slower for
+        # a few steps (mlp-stack W=2, fsdp2's k-th step after torch's: 189, 169, 151, 168, then
+        # 129-145 ms; torch's after fsdp2's: 284, 236, then ~310), so short rounds would time the
+        # switch instead of the contender. Users run one implementation: time the steady state.
+        for _ in range(args.settle):
+            train_step(c)
         step_s[c.name].append(timed(lambda c=c: train_step(c), args.steps))
+    if comm_alone is not None:
+        for _ in range(args.settle):
+            comm_alone()
+        comm_alone_s.append(timed(comm_alone, args.steps))
 losses = {c.name: c.loss for c in contenders}  # same steps taken: fsdp2, torch and ddp agree
 load_after = os.getloadavg()[0]
 
@@ -185,7 +231,7 @@ if cpu_memory is not None:
 # gather to rank 0: a step lasts as long as its slowest rank; memory is kept per rank
 
 per_rank: list[dict[str, dict]] = [{}] * world_size
-dist.all_gather_object(per_rank, {"step_s": step_s, "memory": memory})
+dist.all_gather_object(per_rank, {"step_s": step_s, "memory": memory, "comm_s": comm_alone_s})
 
 
 def leave() -> NoReturn:
@@ -295,6 +341,17 @@ console.print(table)
 if "torch#2" in results and torch_ref:
     spread = abs(results["torch#2"].step_ms_median / torch_ref.step_ms_median - 1)
     console.print(f"noise floor: two torch FSDP2 instances differ by {100 * spread:.1f}% (median)")
+if comm_alone_s:
+    floor = statistics.median(
+        1e3 * max(r["comm_s"][i] for r in per_rank) for i in range(args.rounds)
+    )
+    against = ", ".join(
+        f"{label(n)} {r.step_ms_median / floor:.2f}×" for n, r in results.items() if n != "single"
+    )
+    console.print(
+        f"the same collectives alone, back to back, no compute: {floor:.1f} ms/step median "
+        f"(step time over that: {against})"
+    )
 cores = len(os.sched_getaffinity(0))
 console.print(f"load average while timing: {load_before:.1f} → {load_after:.1f} on {cores} cores")
 # Parity: the sharded contenders and DDP trained the same model on the same batches.
