@@ -176,3 +176,59 @@ def test_sharded_storage_is_one_over_world_size(model: str, world_size: int) -> 
         assert r["allocated"] == r["padded"], f"rank {rank}: one padded shard per rank, no more"
     if model == "gpt":  # every dim 0 divides by 2 and 4: exactly 1/W, no padding
         assert [r["allocated"] for r in results] == [total // world_size] * world_size
+
+
+def _at_reduce_scatter() -> list[dict[str, Any]]:
+    """What each group still holds at the moment its reduce-scatter is issued."""
+    import fsdp2.param_group as param_group_module
+    import fsdp2.reduce as reduce_module
+    from fsdp2 import fully_shard
+
+    model = build_model("mlp", MODEL_SEED)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    seen: list[dict[str, Any]] = []
+    issue = reduce_module.reduce_scatter
+    gather = param_group_module.all_gather
+    gathered: list[torch.Tensor] = []
+
+    def spy_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Any, label: str, *a: Any):  # type: ignore[no-untyped-def]
+        g = {g.label: g for g in _groups(model)}[label]  # labels are FQNs from lazy init
+        seen.append(
+            {
+                "label": label,
+                "unsharded_nbytes": g.unsharded_nbytes(),
+                "grads_left": sum(p.unsharded_param.grad is not None for p in g.fsdp_params),
+            }
+        )
+        return issue(out, inp, group, label, *a)
+
+    def spy_all_gather(out: torch.Tensor, *a: Any, **k: Any):  # type: ignore[no-untyped-def]
+        gathered.append(out)
+        return gather(out, *a, **k)
+
+    reduce_module.reduce_scatter = spy_reduce_scatter
+    param_group_module.all_gather = spy_all_gather
+    try:
+        model(*make_batch("mlp", batch_seed(0, dist.get_rank()), 4)).backward()
+    finally:
+        reduce_module.reduce_scatter = issue
+        param_group_module.all_gather = gather
+    # Our gather outputs are freed once copied out, whoever else still references them.
+    seen.append({"gather_outputs_left": sum(t.untyped_storage().nbytes() for t in gathered)})
+    return seen
+
+
+def test_reduce_scatter_issued_after_parameters_and_gradients_are_freed() -> None:
+    """Backward frees a group's unsharded parameters and gradients before its reduce-scatter
+    allocates its buffers (gloo clones the input), so they never coexist with them."""
+    from tests.harness import run_on_ranks
+
+    for rank, seen in enumerate(run_on_ranks(2, _at_reduce_scatter)):
+        *issued, tail = seen
+        assert sorted(s["label"] for s in issued) == ["", "blocks.0", "blocks.1", "blocks.2"]
+        for s in issued:
+            assert s["unsharded_nbytes"] == 0, f"rank {rank}: {s}"
+            assert s["grads_left"] == 0, f"rank {rank}: {s}"
+        assert tail == {"gather_outputs_left": 0}, f"rank {rank}"
