@@ -372,7 +372,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
     def with_fsdp_hooks(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = state.pre_forward(args, kwargs)
-        return state.post_forward(method(self, *args, **kwargs))
+        return state.post_forward(method(self, *args, **kwargs), self)
 
     module.__dict__[method_name] = MethodType(with_fsdp_hooks, module)
 

@@ -134,7 +134,7 @@ def _hooks_step_aside(state: FSDPState, label: str, keep: bool) -> Iterator[None
             )
         return args, kwargs
 
-    def post_forward(output: Any) -> Any:
+    def post_forward(output: Any, module: object = None) -> Any:
         return output
 
     traced = state.traced  # the traced forward would gather (and re-register shards) itself

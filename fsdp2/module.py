@@ -40,7 +40,7 @@ class FSDPModule:
         if state.traced:
             return traced_forward(state, super().__call__, args, kwargs)  # type: ignore[misc]
         args, kwargs = state.pre_forward(args, kwargs)
-        return state.post_forward(super().__call__(*args, **kwargs))  # type: ignore[misc]
+        return state.post_forward(super().__call__(*args, **kwargs), self)  # type: ignore[misc]
 
     def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
         raise RuntimeError(

@@ -186,6 +186,9 @@ class FSDPState:
         self.forward_prefetch: list[FSDPParamGroup] | None = None
         self.backward_prefetch: list[FSDPParamGroup] | None = None
         self.traced = False  # True: no hooks; forward gathers inside the graph (traced.py)
+        # fully_shard([a, b]): the modules not yet run since the group was gathered for forward.
+        self._yet_to_run: set[int] = set()
+        self._yet_to_run_in = -1  # the iteration that set was started in
         for group in groups:
             group.on_grads_ready = partial(self._post_backward, group)
 
@@ -257,7 +260,7 @@ class FSDPState:
         return args, kwargs
 
     @_disable_dynamo
-    def post_forward(self, output: Any) -> Any:
+    def post_forward(self, output: Any, module: object = None) -> Any:
         if self.output_dtype is not None:
             output = _cast_floats(output, self.output_dtype)
         if self.training_state is TrainingState.PRE_BACKWARD:
@@ -265,10 +268,11 @@ class FSDPState:
         grad_enabled = torch.is_grad_enabled()
         if self.groups:
             _trace("post_forward", self.fqn)
+            every_member_ran = self._member_ran(module)
             for group in self.groups:
                 if not grad_enabled:
                     group.reshard()
-                elif self.reshard_after_forward:
+                elif self.reshard_after_forward and every_member_ran:
                     group.reshard_partial()
             self.training_state = TrainingState.IDLE
         if self.is_root:
@@ -277,6 +281,25 @@ class FSDPState:
         if grad_enabled:
             self._hook_outputs(output)
         return output
+
+    def _member_ran(self, module: object) -> bool:
+        """Note that ``module`` finished a forward; whether every module of this call has run
+        since the group was last gathered for forward. One ``fully_shard([a, b])`` group is
+        gathered once for all its modules (as in torch): resharding after ``a`` would gather it
+        again for ``b``. A module called again after that (a chunked loss calling the head per
+        chunk) starts a new round, which holds the gathered group into backward, where it is
+        needed first."""
+        if len(self.modules) == 1 or module is None:
+            return True
+        iteration = self.require_ctx().iteration
+        if self._yet_to_run_in != iteration:
+            self._yet_to_run_in = iteration
+            self._yet_to_run = {id(m) for m in self.modules}
+        self._yet_to_run.discard(id(module))
+        if self._yet_to_run:
+            return False
+        self._yet_to_run = {id(m) for m in self.modules}
+        return True
 
     def _free_unused(self, everything: bool) -> None:
         """At the root's post-forward: free gathers nobody used (all of them under no_grad)."""

@@ -535,8 +535,9 @@ NUM_CHUNKS = 3
 class ChunkedLM(nn.Module):
     """The loss is computed in sequence chunks, calling ``head`` once per chunk."""
 
-    def __init__(self) -> None:
+    def __init__(self, num_chunks: int = NUM_CHUNKS) -> None:
         super().__init__()
+        self.num_chunks = num_chunks
         self.embed = nn.Embedding(VOCAB, MLP_IN)
         self.blocks = nn.ModuleList(
             nn.Sequential(nn.Linear(MLP_IN, MLP_IN), nn.Tanh()) for _ in range(2)
@@ -554,7 +555,9 @@ class ChunkedLM(nn.Module):
         x = self.hidden(idx)
         total = sum(
             F.cross_entropy(self.head(xc).flatten(0, 1), tc.flatten(), reduction="sum")
-            for xc, tc in zip(x.chunk(NUM_CHUNKS, 1), targets.chunk(NUM_CHUNKS, 1), strict=True)
+            for xc, tc in zip(
+                x.chunk(self.num_chunks, 1), targets.chunk(self.num_chunks, 1), strict=True
+            )
         )
         return total / targets.numel()
 
@@ -583,8 +586,8 @@ def _shard_chunked_lm(model: nn.Module, impl: str) -> None:
     fully_shard(model)
 
 
-def _grouped(impl: str) -> list[dict[str, int]]:
-    t = Lockstep(ChunkedLM, _lm_batch)
+def _grouped(impl: str, num_chunks: int) -> list[dict[str, int]]:
+    t = Lockstep(functools.partial(ChunkedLM, num_chunks), _lm_batch)
     _shard_chunked_lm(t.model, impl)
     t.make_optimizers()
     comms = []
@@ -608,23 +611,35 @@ def _grouped(impl: str) -> list[dict[str, int]]:
     return comms
 
 
-# Groups: root, blocks.0, blocks.1, [embed, head]; the head runs NUM_CHUNKS times per step.
+# Groups: root, blocks.0, blocks.1, [embed, head]; the head runs 3 times per step.
 GROUPED_COMMS = {
-    # fsdp2 reshards a group after each of its modules' forwards, so [embed, head] is gathered
-    # for the embedding and for each head call (1 + 3), not held through the blocks; in
-    # backward it is gathered once and kept until all its gradients are in.
-    "fsdp2": {"forward all-gathers": 1 + 2 + 4, "backward all-gathers": 2 + 1},
+    # fsdp2 gathers [embed, head] once for the embedding and the first head call (held through
+    # the blocks, as in torch), once more for the later head calls, and keeps that into
+    # backward, where the head comes first: nothing to gather for the group there.
+    "fsdp2": {"forward all-gathers": 1 + 2 + 2, "backward all-gathers": 2 + 0},
     # torch keeps [embed, head] gathered from the embedding until every module of the group
     # has run once (1 + 1 for the later head calls), and gathers it twice in backward.
     "torch": {"forward all-gathers": 1 + 2 + 2, "backward all-gathers": 2 + 2},
 }
 
 
+# The same with one head call: the group is gathered once for forward (held from the
+# embedding to the head) and once for backward, the least a group that reshards can do.
+GROUPED_COMMS_ONE_CALL = {
+    "fsdp2": {"forward all-gathers": 1 + 2 + 1, "backward all-gathers": 2 + 1},
+    "torch": {"forward all-gathers": 1 + 2 + 1, "backward all-gathers": 2 + 1},
+}
+
+
 @pytest.mark.parametrize("impl", ["fsdp2", "torch"])
-def test_one_group_over_two_modules_with_chunked_loss(impl: str, fsdp2_only: None) -> None:
-    for comms in run_on_ranks(2, _grouped, impl):
+@pytest.mark.parametrize("num_chunks", [1, NUM_CHUNKS])
+def test_one_group_over_two_modules_with_chunked_loss(
+    impl: str, num_chunks: int, fsdp2_only: None
+) -> None:
+    expected_gathers = (GROUPED_COMMS if num_chunks > 1 else GROUPED_COMMS_ONE_CALL)[impl]
+    for comms in run_on_ranks(2, _grouped, impl, num_chunks):
         # One reduce-scatter per group and step, however many times the head ran.
-        expected = {**GROUPED_COMMS[impl], "reduce-scatters": 4}
+        expected = {**expected_gathers, "reduce-scatters": 4}
         assert comms == [expected] * NUM_STEPS
 
 
