@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 
 __all__ = ["CPUOffloadPolicy", "DataParallelMeshDims", "MixedPrecisionPolicy", "OffloadPolicy"]
 
@@ -82,3 +84,16 @@ def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
     if value is None:
         return ()
     return (value,) if isinstance(value, str) else tuple(value)
+
+
+def cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    """``tree`` with every floating-point tensor cast to ``dtype`` (others untouched)."""
+
+    def cast(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dtype != dtype:
+            return leaf.to(dtype)
+        return leaf
+
+    if isinstance(tree, torch.Tensor):
+        return cast(tree)
+    return tree_map(cast, tree)

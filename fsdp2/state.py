@@ -32,11 +32,11 @@ import torch
 import torch.nn as nn
 from torch._compile import _disable_dynamo
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 from fsdp2.param import FSDPParam
 from fsdp2.param_group import FSDPParamGroup
-from fsdp2.policies import MixedPrecisionPolicy
+from fsdp2.policies import MixedPrecisionPolicy, cast_floats
 from fsdp2.reduce import PendingReduce, accumulate_grad
 
 __all__ = ["FSDPState", "IterContext", "TrainingState"]
@@ -239,7 +239,7 @@ class FSDPState:
         if self.ctx is None:
             self._lazy_init()
         if self.input_dtype is not None:
-            args, kwargs = _cast_floats((args, kwargs), self.input_dtype)
+            args, kwargs = cast_floats((args, kwargs), self.input_dtype)
         if self.training_state is TrainingState.PRE_BACKWARD:
             return args, kwargs  # forward recomputed inside backward (activation checkpointing)
         ctx = self.require_ctx()
@@ -262,7 +262,7 @@ class FSDPState:
     @_disable_dynamo
     def post_forward(self, output: Any, module: object = None) -> Any:
         if self.output_dtype is not None:
-            output = _cast_floats(output, self.output_dtype)
+            output = cast_floats(output, self.output_dtype)
         if self.training_state is TrainingState.PRE_BACKWARD:
             return output
         grad_enabled = torch.is_grad_enabled()
@@ -372,16 +372,3 @@ class FSDPState:
         sharded = ",".join(g.state.name for g in self.groups) or "no params"
         role = "root" if self.is_root else "child"
         return f"FSDPState({self.fqn or '<root>'}, {role}, {self.training_state.name}, {sharded})"
-
-
-def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
-    """``tree`` with every floating-point tensor cast to ``dtype`` (others untouched)."""
-
-    def cast(leaf: Any) -> Any:
-        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dtype != dtype:
-            return leaf.to(dtype)
-        return leaf
-
-    if isinstance(tree, torch.Tensor):
-        return cast(tree)
-    return tree_map(cast, tree)

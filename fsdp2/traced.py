@@ -42,6 +42,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from fsdp2.policies import cast_floats
+
 if TYPE_CHECKING:
     from fsdp2.param_group import FSDPParamGroup
     from fsdp2.state import FSDPState
@@ -99,6 +101,8 @@ def traced_forward(
             f"fsdp2 traced mode does not support {', '.join(unsupported)}, set on {group.label} "
             "after set_traced; undo that, or call set_traced(model, False) for the eager hooks"
         )
+    if state.input_dtype is not None:
+        args, kwargs = cast_floats((args, kwargs), state.input_dtype)
     shards = [p.sharded_param for p in group.fsdp_params]
     if state.reshard_after_forward and torch.is_grad_enabled():
         context = functools.partial(create_selective_checkpoint_contexts, _recompute_everything)
@@ -109,7 +113,10 @@ def traced_forward(
         for params, name in fsdp_param.slots:
             params[name] = full
     try:
-        return call(*args, **kwargs)
+        output = call(*args, **kwargs)
+        if state.output_dtype is not None:
+            output = cast_floats(output, state.output_dtype)
+        return output
     finally:
         for fsdp_param in group.fsdp_params:
             for params, name in fsdp_param.slots:
@@ -133,7 +140,7 @@ def _gather(group: FSDPParamGroup, *shards: torch.Tensor) -> list[torch.Tensor]:
         raise AssertionError(f"traced gather of '{group.label}' needs a shard group")
     factor = group.divide_factor or float(group.world)
     gathered = _GatherShards.apply(  # type: ignore[no-untyped-call]
-        flat, group.world, shard_group.group_name, factor
+        flat, group.world, shard_group.group_name, factor, group.param_dtype, group.reduce_dtype
     )
     chunks = [p.chunk_numel for p in group.fsdp_params]
     columns = gathered.view(group.world, group.shard_numel).split(chunks, dim=1)
@@ -145,21 +152,36 @@ def _gather(group: FSDPParamGroup, *shards: torch.Tensor) -> list[torch.Tensor]:
 
 
 class _GatherShards(torch.autograd.Function):
-    """Forward: all-gather every rank's flat shard, rank-major (``world * shard_numel``).
-    Backward: reduce-scatter (sum) the gradient of that, and divide by ``factor``."""
+    """Forward: cast every rank's flat shard to ``param_dtype`` and all-gather them, rank-major
+    (``world * shard_numel``). Backward: reduce-scatter (sum) the gradient of that in
+    ``reduce_dtype``, divide by ``factor``, and hand it back in the shard's own dtype. The casts
+    live here, not as separate autograd nodes, so that the reduced gradient goes straight from
+    ``reduce_dtype`` to the parameter's dtype, as in eager mode."""
 
     @staticmethod
     def forward(
-        ctx: Any, flat: torch.Tensor, world: int, group_name: str, factor: float
+        ctx: Any,
+        flat: torch.Tensor,
+        world: int,
+        group_name: str,
+        factor: float,
+        param_dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
     ) -> torch.Tensor:
         ctx.world, ctx.group_name, ctx.factor = world, group_name, factor
-        gathered: torch.Tensor = _c10d.all_gather_into_tensor(flat, world, group_name)
+        ctx.dtype, ctx.reduce_dtype = flat.dtype, reduce_dtype
+        gathered: torch.Tensor = _c10d.all_gather_into_tensor(
+            flat.to(param_dtype), world, group_name
+        )
         return _c10d.wait_tensor(gathered)  # type: ignore[no-any-return]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        reduced = _c10d.reduce_scatter_tensor(grad.contiguous(), "sum", ctx.world, ctx.group_name)
-        return _c10d.wait_tensor(reduced) / ctx.factor, None, None, None
+        grad = grad.to(ctx.reduce_dtype).contiguous()
+        reduced = _c10d.wait_tensor(
+            _c10d.reduce_scatter_tensor(grad, "sum", ctx.world, ctx.group_name)
+        )
+        return (reduced / ctx.factor).to(ctx.dtype), None, None, None, None, None
 
 
 def _recompute_everything(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -183,9 +205,6 @@ def _unsupported(state: FSDPState) -> list[str]:
         found.append("0-d parameters")
     if any(p.extension for p in group.fsdp_params):
         found.append("all-gather extensions (fsdp_pre_all_gather)")
-    mixed = group.param_dtype != group.dtype or group.reduce_dtype != group.dtype
-    if mixed or state.input_dtype is not None or state.output_dtype is not None:
-        found.append("mixed precision")
     if group.offload is not None:
         found.append("CPU offload")
     if group.partial_group is not None:

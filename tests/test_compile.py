@@ -200,6 +200,7 @@ def _traced(
     use_compile: bool,
     shard_last_dim: bool = False,
     divide_factor: float | None = None,
+    mixed_precision: bool = False,
 ) -> dict[str, Any]:
     """Traced mode, compiled with ``fullgraph=True`` (or run eagerly): parity, and the
     collectives that the forward and backward graphs hold."""
@@ -211,13 +212,22 @@ def _traced(
     kwargs: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
     if shard_last_dim:
         kwargs["shard_placement_fn"] = lambda param: Shard(param.dim() - 1)
+    if mixed_precision:  # bf16 gathers, inputs and compute; fp32 reduction
+        kwargs["mp_policy"] = fsdp2.MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
     _shard(model, name, None, "", **kwargs)
     _set_divide_factor(model, divide_factor)
     set_traced(model)
     graphs: list[tuple[str, int, int]] = []
 
+    gathered_dtypes: set[str] = set()
+
     def capture(kind: str, gm: torch.fx.GraphModule, inputs: Any) -> Callable[..., Any]:
         graphs.append((kind, *_collective_counts(gm)))
+        for node in gm.graph.nodes:
+            if node.target == _c10d.all_gather_into_tensor.default:
+                gathered_dtypes.add(str(node.meta["val"].dtype))
         return make_boxed_func(gm.forward)
 
     run: Callable[..., torch.Tensor] = model
@@ -232,6 +242,7 @@ def _traced(
         name, trainer, tol=1e-5, traced=True, divide_factor=divide_factor, **kwargs
     )
     report["collectives"] = graphs  # (graph, all-gathers, reduce-scatters), in compile order
+    report["gathered_dtypes"] = sorted(gathered_dtypes)
     return report
 
 
@@ -331,6 +342,22 @@ def test_traced_eager_divide_factor() -> None:
     run_on_ranks(2, _traced, "mlp", None, False, divide_factor=1.0)
 
 
+def test_traced_eager_mixed_precision() -> None:
+    """bf16 parameters and inputs, fp32 reduction: the same numbers as the hooks, which cast
+    once per group before the gather and reduce in fp32."""
+    run_on_ranks(2, _traced, "mlp", None, False, mixed_precision=True)
+
+
+def test_traced_fullgraph_mixed_precision() -> None:
+    """The casts compile into the same single graph; its gathers move bf16."""
+    for report in run_on_ranks(
+        2, _traced, "gpt", None, True, mixed_precision=True, timeout=COMPILE_TIMEOUT_S
+    ):
+        assert report["collectives"] == [("forward", 3, 0), ("backward", 2, 3)], report
+        assert report["gathered_dtypes"] == ["torch.bfloat16"], report
+        assert report["graph_breaks"] == 0, report
+
+
 @pytest.mark.slow
 def test_compile_blocks_inductor() -> None:
     """Inductor-compiled blocks: its backward reads the parameters that the hooks freed after
@@ -376,15 +403,13 @@ class TestTracedInProcess(expecttest.TestCase):
 
     def test_unsupported_feature(self) -> None:
         model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
-        fsdp2.fully_shard(
-            model[0], mp_policy=fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-        )
+        fsdp2.fully_shard(model[0], offload_policy=fsdp2.CPUOffloadPolicy())
         fsdp2.fully_shard(model)
         with self.assertRaises(NotImplementedError) as caught:
             set_traced(model)
         self.assertExpectedInline(
             str(caught.exception),
-            """fsdp2 traced mode does not support mixed precision, found in the fully_shard call on 0 (FSDPLinear); keep the eager hooks for this model and compile each block instead (see docs/compile.md)""",
+            """fsdp2 traced mode does not support CPU offload, found in the fully_shard call on 0 (FSDPLinear); keep the eager hooks for this model and compile each block instead (see docs/compile.md)""",
         )
 
     def test_unsupported_feature_set_later(self) -> None:
