@@ -206,6 +206,7 @@ def _traced(
     collectives that the forward and backward graphs hold."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     _fresh_dynamo()
     model = build_model(name, MODEL_SEED)
@@ -222,19 +223,28 @@ def _traced(
     graphs: list[tuple[str, int, int]] = []
 
     gathered_dtypes: set[str] = set()
+    saved_shapes: set[tuple[int, ...]] = set()  # the forward graph's outputs: loss + saved
 
     def capture(kind: str, gm: torch.fx.GraphModule, inputs: Any) -> Callable[..., Any]:
         graphs.append((kind, *_collective_counts(gm)))
         for node in gm.graph.nodes:
             if node.target == _c10d.all_gather_into_tensor.default:
                 gathered_dtypes.add(str(node.meta["val"].dtype))
+            if kind == "forward" and node.op == "output":
+                for value in node.args[0]:
+                    if isinstance(value, torch.fx.Node) and "val" in value.meta:
+                        saved_shapes.add(tuple(value.meta["val"].shape))
         return make_boxed_func(gm.forward)
 
     run: Callable[..., torch.Tensor] = model
     if use_compile:
+        # Inductor's partitioner: it recomputes views of the gathered parameters (e.g. a
+        # Linear's transposed weight) rather than saving them, which is what lets a group
+        # reshard after forward (docs/compile.md).
         backend = aot_autograd(
             fw_compiler=functools.partial(capture, "forward"),
             bw_compiler=functools.partial(capture, "backward"),
+            partition_fn=min_cut_rematerialization_partition,
         )
         run = torch.compile(model, backend=backend, fullgraph=True)
     trainer = _Trainer(model, name, run)
@@ -243,6 +253,7 @@ def _traced(
     )
     report["collectives"] = graphs  # (graph, all-gathers, reduce-scatters), in compile order
     report["gathered_dtypes"] = sorted(gathered_dtypes)
+    report["saved_shapes"] = sorted(saved_shapes)
     return report
 
 
@@ -308,6 +319,9 @@ def test_compile_whole_model() -> None:
         # Root (wte, wpe, ln_f, tied lm_head) keeps its parameters; both blocks reshard, so the
         # backward graph gathers them again.
         ("gpt", None, [("forward", 3, 0), ("backward", 2, 3)]),
+        # Blocks 1 and 2 gather again for their input gradients; block 0 needs no weight in
+        # backward (its input needs no gradient), so it is not gathered there.
+        ("mlp", None, [("forward", 4, 0), ("backward", 2, 4)]),
         ("mlp", False, [("forward", 4, 0), ("backward", 0, 4)]),
     ],
 )
@@ -323,6 +337,8 @@ def test_traced_fullgraph(
         assert report["graph_breaks"] == 0, report
         assert report["graphs"] == 1, report
         assert not report["recompiled_after_first_step"], report
+        if name == "mlp":  # blocks 1 and 2 hold 16x16 weights: saved only if not resharded
+            assert ((16, 16) in report["saved_shapes"]) == (reshard_after_forward is False)
 
 
 @pytest.mark.parametrize("name", ["odd_shapes", "frozen", "unused", "buffers", "no_own_params"])
