@@ -138,9 +138,17 @@ def _gather(group: FSDPParamGroup, *shards: torch.Tensor) -> list[torch.Tensor]:
     shard_group = group.info.shard_group
     if shard_group is None:
         raise AssertionError(f"traced gather of '{group.label}' needs a shard group")
-    factor = group.divide_factor or float(group.world)
+    replicate_group = group.info.replicate_group  # HSDP: all-reduce over replicas after
+    replicas = replicate_group.group_name if replicate_group is not None else None
+    factor = group.divide_factor or float(group.world * group.info.replicate_size)
     gathered = _GatherShards.apply(  # type: ignore[no-untyped-call]
-        flat, group.world, shard_group.group_name, factor, group.param_dtype, group.reduce_dtype
+        flat,
+        group.world,
+        shard_group.group_name,
+        replicas,
+        factor,
+        group.param_dtype,
+        group.reduce_dtype,
     )
     chunks = [p.chunk_numel for p in group.fsdp_params]
     columns = gathered.view(group.world, group.shard_numel).split(chunks, dim=1)
@@ -152,11 +160,12 @@ def _gather(group: FSDPParamGroup, *shards: torch.Tensor) -> list[torch.Tensor]:
 
 
 class _GatherShards(torch.autograd.Function):
-    """Forward: cast every rank's flat shard to ``param_dtype`` and all-gather them, rank-major
-    (``world * shard_numel``). Backward: reduce-scatter (sum) the gradient of that in
-    ``reduce_dtype``, divide by ``factor``, and hand it back in the shard's own dtype. The casts
-    live here, not as separate autograd nodes, so that the reduced gradient goes straight from
-    ``reduce_dtype`` to the parameter's dtype, as in eager mode."""
+    """Forward: cast every rank's flat shard to ``param_dtype`` and all-gather them over the
+    shard group, rank-major (``world * shard_numel``). Backward: reduce-scatter (sum) the
+    gradient of that in ``reduce_dtype``, all-reduce (sum) it over ``replicas`` (HSDP), divide by
+    ``factor``, and hand it back in the shard's own dtype. The casts live here, not as separate
+    autograd nodes, so that the reduced gradient goes straight from ``reduce_dtype`` to the
+    parameter's dtype, as in eager mode."""
 
     @staticmethod
     def forward(
@@ -164,11 +173,12 @@ class _GatherShards(torch.autograd.Function):
         flat: torch.Tensor,
         world: int,
         group_name: str,
+        replicas: str | None,
         factor: float,
         param_dtype: torch.dtype,
         reduce_dtype: torch.dtype,
     ) -> torch.Tensor:
-        ctx.world, ctx.group_name, ctx.factor = world, group_name, factor
+        ctx.world, ctx.group_name, ctx.replicas, ctx.factor = world, group_name, replicas, factor
         ctx.dtype, ctx.reduce_dtype = flat.dtype, reduce_dtype
         gathered: torch.Tensor = _c10d.all_gather_into_tensor(
             flat.to(param_dtype), world, group_name
@@ -181,7 +191,9 @@ class _GatherShards(torch.autograd.Function):
         reduced = _c10d.wait_tensor(
             _c10d.reduce_scatter_tensor(grad, "sum", ctx.world, ctx.group_name)
         )
-        return (reduced / ctx.factor).to(ctx.dtype), None, None, None, None, None
+        if ctx.replicas is not None:
+            reduced = _c10d.wait_tensor(_c10d.all_reduce(reduced, "sum", ctx.replicas))
+        return (reduced / ctx.factor).to(ctx.dtype), None, None, None, None, None, None
 
 
 def _recompute_everything(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -197,8 +209,10 @@ def _unsupported(state: FSDPState) -> list[str]:
     if len(state.groups) > 1:
         found.append("parameters on several meshes (shard_placement_fn)")
     info = group.info
-    if info.replicate_group is not None or info.shard_group is None:
-        found.append("HSDP or replicate-only meshes")
+    if info.shard_group is None:
+        found.append("replicate-only meshes")
+    if info.replicate_group is not None and not group.requires_all_reduce:
+        found.append("set_requires_all_reduce(False)")
     if any(p.outer_spec is not None for p in group.fsdp_params):
         found.append("tensor-parallel (DTensor) parameters")
     if any(not p.shape for p in group.fsdp_params):

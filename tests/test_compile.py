@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
 import fsdp2
@@ -201,6 +202,7 @@ def _traced(
     shard_last_dim: bool = False,
     divide_factor: float | None = None,
     mixed_precision: bool = False,
+    hsdp: bool = False,
 ) -> dict[str, Any]:
     """Traced mode, compiled with ``fullgraph=True`` (or run eagerly): parity, and the
     collectives that the forward and backward graphs hold."""
@@ -213,6 +215,8 @@ def _traced(
     kwargs: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
     if shard_last_dim:
         kwargs["shard_placement_fn"] = lambda param: Shard(param.dim() - 1)
+    if hsdp:  # 2 replicas x 2 shards: reduce-scatter, then all-reduce across replicas
+        kwargs["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     if mixed_precision:  # bf16 gathers, inputs and compute; fp32 reduction
         kwargs["mp_policy"] = fsdp2.MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32
@@ -225,8 +229,11 @@ def _traced(
     gathered_dtypes: set[str] = set()
     saved_shapes: set[tuple[int, ...]] = set()  # the forward graph's outputs: loss + saved
 
+    all_reduces: list[int] = []
+
     def capture(kind: str, gm: torch.fx.GraphModule, inputs: Any) -> Callable[..., Any]:
         graphs.append((kind, *_collective_counts(gm)))
+        all_reduces.append(sum(node.target == _c10d.all_reduce.default for node in gm.graph.nodes))
         for node in gm.graph.nodes:
             if node.target == _c10d.all_gather_into_tensor.default:
                 gathered_dtypes.add(str(node.meta["val"].dtype))
@@ -254,6 +261,7 @@ def _traced(
     report["collectives"] = graphs  # (graph, all-gathers, reduce-scatters), in compile order
     report["gathered_dtypes"] = sorted(gathered_dtypes)
     report["saved_shapes"] = sorted(saved_shapes)
+    report["all_reduces"] = all_reduces
     return report
 
 
@@ -362,6 +370,15 @@ def test_traced_eager_mixed_precision() -> None:
     """bf16 parameters and inputs, fp32 reduction: the same numbers as the hooks, which cast
     once per group before the gather and reduce in fp32."""
     run_on_ranks(2, _traced, "mlp", None, False, mixed_precision=True)
+
+
+def test_traced_hsdp() -> None:
+    """HSDP on a 2x2 mesh: one gather over the shard ranks per group in the forward graph; in
+    the backward graph one reduce-scatter and one all-reduce across replicas per group."""
+    for report in run_on_ranks(4, _traced, "gpt", None, True, hsdp=True, timeout=COMPILE_TIMEOUT_S):
+        assert report["collectives"] == [("forward", 3, 0), ("backward", 2, 3)], report
+        assert report["all_reduces"] == [0, 3], report
+        assert report["graph_breaks"] == 0, report
 
 
 def test_traced_fullgraph_mixed_precision() -> None:
