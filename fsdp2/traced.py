@@ -154,9 +154,27 @@ def _gather(group: FSDPParamGroup, *shards: torch.Tensor) -> list[torch.Tensor]:
     columns = gathered.view(group.world, group.shard_numel).split(chunks, dim=1)
     fulls = []
     for fsdp_param, column in zip(group.fsdp_params, columns, strict=True):
+        if not fsdp_param.shape:  # replicated: every rank sent the same value
+            fulls.append(_OneOfReplicas.apply(column.reshape(-1)))  # type: ignore[no-untyped-call]
+            continue
         full = column.reshape(-1)[: fsdp_param.numel].view(fsdp_param.layout_shape)
         fulls.append(fsdp_param.param_order(full))
     return fulls
+
+
+class _OneOfReplicas(torch.autograd.Function):
+    """A 0-d parameter is replicated, so its gathered column holds the same value from every
+    rank. Forward: that value. Backward: its gradient in every rank's chunk, so that the
+    reduce-scatter hands each rank the reduced gradient (as eager mode does)."""
+
+    @staticmethod
+    def forward(ctx: Any, column: torch.Tensor) -> torch.Tensor:
+        ctx.size = column.numel()
+        return column[0].clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.reshape(1).expand(ctx.size).contiguous()
 
 
 class _GatherShards(torch.autograd.Function):
@@ -215,8 +233,6 @@ def _unsupported(state: FSDPState) -> list[str]:
         found.append("set_requires_all_reduce(False)")
     if any(p.outer_spec is not None for p in group.fsdp_params):
         found.append("tensor-parallel (DTensor) parameters")
-    if any(not p.shape for p in group.fsdp_params):
-        found.append("0-d parameters")
     if any(p.extension for p in group.fsdp_params):
         found.append("all-gather extensions (fsdp_pre_all_gather)")
     if group.offload is not None:

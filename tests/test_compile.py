@@ -331,6 +331,8 @@ def test_compile_whole_model() -> None:
         # backward (its input needs no gradient), so it is not gathered there.
         ("mlp", None, [("forward", 4, 0), ("backward", 2, 4)]),
         ("mlp", False, [("forward", 4, 0), ("backward", 0, 4)]),
+        # A 0-d parameter rides in its group's gather and reduce-scatter (replicated).
+        ("odd_shapes_scalar", None, [("forward", 3, 0), ("backward", 2, 3)]),
     ],
 )
 def test_traced_fullgraph(
@@ -349,10 +351,13 @@ def test_traced_fullgraph(
             assert ((16, 16) in report["saved_shapes"]) == (reshard_after_forward is False)
 
 
-@pytest.mark.parametrize("name", ["odd_shapes", "frozen", "unused", "buffers", "no_own_params"])
+@pytest.mark.parametrize(
+    "name", ["odd_shapes", "odd_shapes_scalar", "frozen", "unused", "buffers", "no_own_params"]
+)
 def test_traced_eager(name: str) -> None:
     """Traced mode without compiling: the same functional collectives run eagerly, and uneven
-    shards, frozen and unused parameters, buffers and empty groups train as with the hooks."""
+    shards, a 0-d parameter, frozen and unused parameters, buffers and empty groups train as
+    with the hooks."""
     run_on_ranks(2, _traced, name, None, False)
 
 
@@ -455,16 +460,6 @@ class TestTracedInProcess(expecttest.TestCase):
         self.assertExpectedInline(
             str(caught.exception),
             """fsdp2 traced mode does not support set_requires_gradient_sync(False), set on blocks.1 after set_traced; undo that, or call set_traced(model, False) for the eager hooks""",
-        )
-
-    def test_scalar_parameter(self) -> None:
-        model = build_model("odd_shapes_scalar", MODEL_SEED)
-        fsdp2.fully_shard(model)
-        with self.assertRaises(NotImplementedError) as caught:
-            set_traced(model)
-        self.assertExpectedInline(
-            str(caught.exception),
-            """fsdp2 traced mode does not support 0-d parameters, found in the fully_shard call on <root> (FSDPOddShapes); keep the eager hooks for this model and compile each block instead (see docs/compile.md)""",
         )
 
     def test_not_sharded(self) -> None:
