@@ -92,7 +92,6 @@ class FSDPParamGroup(GradientReduction):
         else:
             storage = torch.device("cpu") if offload else device
         self._build(storage, fulls)
-        # The all-gather in flight: its handle, output, and (byte-packed gathers) the packing.
         # An issued gather: its handle, its output, the extension packing, and whether the
         # output is ours to free (not a custom collective's buffer, not the shard itself).
         self._gather: tuple[Pending, torch.Tensor, Packing | None, bool] | None = None
