@@ -157,8 +157,20 @@ def _gather(group: FSDPParamGroup, *shards: torch.Tensor) -> list[torch.Tensor]:
         if not fsdp_param.shape:  # replicated: every rank sent the same value
             fulls.append(_OneOfReplicas.apply(column.reshape(-1)))  # type: ignore[no-untyped-call]
             continue
-        full = column.reshape(-1)[: fsdp_param.numel].view(fsdp_param.layout_shape)
-        fulls.append(fsdp_param.param_order(full))
+        full = fsdp_param.param_order(
+            column.reshape(-1)[: fsdp_param.numel].view(fsdp_param.layout_shape)
+        )
+        spec = fsdp_param.outer_spec
+        if spec is not None:  # tensor parallel: the gathered tensor is this rank's TP piece
+            full = DTensor.from_local(
+                full,
+                spec.mesh,
+                spec.placements,
+                run_check=False,
+                shape=spec.shape,
+                stride=spec.stride,
+            )
+        fulls.append(full)
     return fulls
 
 
@@ -231,8 +243,6 @@ def _unsupported(state: FSDPState) -> list[str]:
         found.append("replicate-only meshes")
     if info.replicate_group is not None and not group.requires_all_reduce:
         found.append("set_requires_all_reduce(False)")
-    if any(p.outer_spec is not None for p in group.fsdp_params):
-        found.append("tensor-parallel (DTensor) parameters")
     if any(p.extension for p in group.fsdp_params):
         found.append("all-gather extensions (fsdp_pre_all_gather)")
     if group.offload is not None:

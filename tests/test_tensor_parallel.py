@@ -160,7 +160,9 @@ def expected_placements(name: str, sequence_parallel: bool, layout: str) -> tupl
     return (Shard(0),) if layout == "dp_slice" else (Shard(0), Replicate())
 
 
-def _fsdp_tp(sequence_parallel: bool, layout: str, precision: str, shard_dim: int) -> list[float]:
+def _fsdp_tp(
+    sequence_parallel: bool, layout: str, precision: str, shard_dim: int, traced: bool = False
+) -> list[float]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(SEED)
     model = TinyGPT()
@@ -181,6 +183,10 @@ def _fsdp_tp(sequence_parallel: bool, layout: str, precision: str, shard_dim: in
     for block in model.blocks:
         fsdp2.fully_shard(block, **kwargs)
     fsdp2.fully_shard(model, **kwargs)
+    if traced:  # collectives as functional ops around each forward (fsdp2.traced), not hooks
+        from fsdp2.traced import set_traced
+
+        set_traced(model)
 
     if not shard_dim:
         for name, p in model.named_parameters():
@@ -232,6 +238,56 @@ def test_fsdp_tp_parity(
         4, _fsdp_tp, sequence_parallel, layout, precision, shard_dim, timeout=120
     )
     assert all(losses == results[0] for losses in results)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_fsdp_tp_traced_parity(sequence_parallel: bool) -> None:
+    """Traced mode (no hooks; functional collectives around each forward) on the same TP
+    model: the same parity with the single-process reference."""
+    results = run_on_ranks(
+        4, _fsdp_tp, sequence_parallel, "dp_slice", "fp32", 0, traced=True, timeout=120
+    )
+    assert all(losses == results[0] for losses in results)
+
+
+def _traced_compiled_vs_hooks(sequence_parallel: bool) -> dict[str, Any]:
+    """The same TP model twice: traced and compiled with ``fullgraph=True``, and with the hooks."""
+    from torch._dynamo.utils import counters
+
+    from fsdp2.traced import set_traced
+
+    torch._dynamo.reset()  # rank processes outlive tests
+    counters.clear()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(SEED)
+    model = TinyGPT()
+    hooked = copy.deepcopy(model)
+    for m in (model, hooked):
+        parallelize(m, mesh["tp"], sequence_parallel)
+        for block in m.blocks:
+            fsdp2.fully_shard(block, mesh=mesh["dp"])
+        fsdp2.fully_shard(m, mesh=mesh["dp"])
+    set_traced(model)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    gen = torch.Generator().manual_seed(mesh.get_local_rank("dp"))
+    for step in range(2):
+        batch = make_batch(gen, 2)
+        loss, ref_loss = compiled(*batch), hooked(*batch)
+        loss.backward()
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-7, msg=f"step {step}")
+        for (name, p), ref_p in zip(model.named_parameters(), hooked.parameters(), strict=True):
+            torch.testing.assert_close(
+                full(p.grad), full(ref_p.grad), rtol=1e-5, atol=1e-7, msg=f"{name} step {step}"
+            )
+            p.grad = ref_p.grad = None
+    return {"graph_breaks": sum(counters["graph_break"].values())}
+
+
+def test_fsdp_tp_traced_fullgraph() -> None:
+    """Traced FSDP x TP (sequence parallel) compiles to one graph and matches the hooks."""
+    for report in run_on_ranks(4, _traced_compiled_vs_hooks, True, timeout=300):
+        assert report == {"graph_breaks": 0}
 
 
 # ---------------------------------------------------------------------------------------------
