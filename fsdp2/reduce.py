@@ -28,7 +28,7 @@ __all__ = ["GradientReduction", "PendingReduce", "accumulate_grad"]
 class PendingReduce:
     """A reduce-scatter in flight; ``finish()`` waits and returns each parameter's reduced shard."""
 
-    __slots__ = ("group", "keep_alive", "out", "params", "pending", "use_sum")
+    __slots__ = ("free_input", "group", "keep_alive", "out", "params", "pending", "use_sum")
 
     def __init__(
         self,
@@ -38,6 +38,7 @@ class PendingReduce:
         params: list[FSDPParam],
         keep_alive: object,
         use_sum: bool,
+        free_input: bool = False,
     ) -> None:
         self.group = group
         self.pending = pending
@@ -45,15 +46,17 @@ class PendingReduce:
         self.params = params
         self.keep_alive = keep_alive  # the collective's input must outlive it
         self.use_sum = use_sum  # summed, not averaged: the division is still to do
+        # keep_alive is our own input buffer (not a custom collective's, which may reuse it):
+        # free it once done, not whenever the backend drops its reference.
+        self.free_input = free_input
 
     def finish(self) -> list[tuple[FSDPParam, torch.Tensor]]:
         self.pending.wait()
         if self.out is None:  # one rank, nothing to reduce: the gradients are the shards
             grads, self.keep_alive = self.keep_alive, None
             return self.group.own_shards(self.params, cast("list[torch.Tensor]", grads))
-        if isinstance(self.keep_alive, torch.Tensor):
-            # Our own input buffer: free it now, not whenever the backend drops its reference.
-            self.keep_alive.untyped_storage().resize_(0)
+        if self.free_input:
+            cast(torch.Tensor, self.keep_alive).untyped_storage().resize_(0)
         self.keep_alive = None
         return self.group.finish_reduce(self.out, self.params, self.use_sum)
 
@@ -167,9 +170,7 @@ class GradientReduction:
                 f"reduce_grads '{self.label}': expected a shard group to reduce over, found None"
             )
         pending = reduce_scatter(out, inp.view(-1), self.info.shard_group, self.label, op, comm)
-        # A custom collective's buffers are its own (it may reuse them): only ours are freed early.
-        keep_alive = inp if comm is None else [inp]
-        return PendingReduce(self, pending, out, params, keep_alive, use_sum)
+        return PendingReduce(self, pending, out, params, inp, use_sum, free_input=comm is None)
 
     def stash_grads(self) -> None:
         """Without gradient sync: move this backward's gradients onto the running unreduced sum,
