@@ -119,6 +119,7 @@ class FSDPParamGroup(GradientReduction):
         self.custom_reduce_scatter: ReduceScatter | None = None
         self.max_in_flight = 1  # reduce-scatters (and their input buffers) alive at once
         self.requires_all_reduce = True  # only meaningful with a replicate axis (HSDP)
+        self.stale = False  # some parameters replaced, not yet re-packed (see rebuild)
         self._replica_partial: torch.Tensor | None = None  # reduced, not yet all-reduced
 
     def _build(self, storage_device: torch.device, fulls: list[torch.Tensor] | None) -> None:
@@ -178,18 +179,17 @@ class FSDPParamGroup(GradientReduction):
         self.reduce_dtype = (mp.reduce_dtype if floating else None) or self.param_dtype
 
     def rebuild(self) -> None:
-        """Re-pack the sharded parameters into fresh buffers if something replaced their tensors
-        (``module.to(...)``, ``to_empty``), adopting their new device and dtype."""
-        flat = self.sharded_flat
-        if (
-            all(
-                p.sharded_param._local_tensor.untyped_storage().data_ptr()  # type: ignore[attr-defined]
-                == flat.untyped_storage().data_ptr()
-                and p.sharded_param.dtype == flat.dtype
-                for p in self.fsdp_params
-            )
-            and flat.device.type != "meta"
-        ):
+        """Re-pack the sharded parameters into fresh buffers once something (``module.to(...)``,
+        ``to_empty``, ``load_state_dict(assign=True)``) replaced their tensors, adopting their new
+        device and dtype. A group spanning several modules is converted one module at a time:
+        until every parameter is replaced, the rest still live in the old (maybe meta) buffer,
+        so the re-pack waits (``stale``) for the last module, or for the next gather."""
+        replaced = [not self._packed(p) for p in self.fsdp_params]
+        if not any(replaced):
+            self.stale = False
+            return
+        self.stale = True
+        if not all(replaced):
             return
         self.reshard()
         for fsdp_param in self.fsdp_params:
@@ -199,12 +199,41 @@ class FSDPParamGroup(GradientReduction):
         if self.offload is None:
             self.device = storage
         self._build(storage, None)
+        self.stale = False
+
+    def _packed(self, fsdp_param: FSDPParam) -> bool:
+        """Whether the sharded parameter still views this group's flat shard."""
+        local = fsdp_param.sharded_param._local_tensor  # type: ignore[attr-defined]
+        flat = self.sharded_flat
+        # Storage identity, not data_ptr: every meta tensor's data_ptr is 0.
+        return bool(
+            local.untyped_storage()._cdata == flat.untyped_storage()._cdata
+            and local.dtype == flat.dtype
+        )
+
+    def _repack_if_stale(self) -> None:
+        """Before a gather: finish a deferred re-pack, or refuse to gather stale buffers."""
+        if not self.stale:
+            return
+        self.rebuild()
+        if self.stale:
+            done = [p.fqn for p in self.fsdp_params if not self._packed(p)]
+            left = [p.fqn for p in self.fsdp_params if self._packed(p)]
+            raise RuntimeError(
+                f"fsdp2 group {self.label or '<root>'!r}: the parameters {', '.join(done)} were "
+                f"replaced (by .to(), to_empty() or load_state_dict(assign=True)) but "
+                f"{', '.join(left)} were not; the modules of one fully_shard call are gathered "
+                "together, so convert all of them (e.g. call .to()/to_empty() on their parent)"
+            )
 
     # -- unshard / reshard -----------------------------------------------------------------------
 
     def unshard(self) -> None:
         """Start gathering the full parameters (no-op if unsharded or already under way)."""
-        if self.state is ShardedState.UNSHARDED or self._gather is not None or self.alias:
+        if self.state is ShardedState.UNSHARDED or self._gather is not None:
+            return
+        self._repack_if_stale()
+        if self.alias:
             return
         if self.sharded_flat.device.type == "meta":
             names = ", ".join(p.fqn for p in self.fsdp_params)

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -295,3 +295,78 @@ def _to_device_and_to_empty() -> None:
 
 def test_to_device_and_to_empty_keep_sharding() -> None:
     run_on_ranks(2, _to_device_and_to_empty)
+
+
+# ---------------------------------------------------------------------------------------------
+# One fully_shard group spanning several modules (torchtitan: fully_shard([norm, output]))
+# ---------------------------------------------------------------------------------------------
+
+
+def _gpt_with_list_group(device: str) -> nn.Module:
+    """The GPT with its last block and final norm in one group, as torchtitan groups its final
+    norm with its output projection (whose weight this GPT ties to the root's wte)."""
+    api = fsdp_api(IMPL_UNDER_TEST)
+    with torch.device(device):
+        model = build_model("gpt", MODEL_SEED) if device == "cpu" else GPT()
+    api.fully_shard(model.blocks[0])
+    api.fully_shard([model.blocks[1], model.ln_f])
+    api.fully_shard(model)
+    return model
+
+
+def _list_group_init(path: str) -> None:
+    """Each of these converts the group's modules one after the other."""
+    dtype = torch.float64 if path == "to_float64" else None
+    if path == "to_empty":
+        model = _gpt_with_list_group("meta")
+        model.to_empty(device="cpu")
+        _initialise(model)
+        plain = _plain_copy("gpt", model)
+    elif path == "assign":  # accelerate's cpu_ram_efficient_loading: shards of a full state
+        model = _gpt_with_list_group("meta")
+        plain = build_model("gpt", MODEL_SEED)
+        full = plain.state_dict()
+        shards = {
+            key: distribute_tensor(full[key], value.device_mesh, value.placements)
+            for key, value in model.state_dict().items()
+        }
+        model.load_state_dict(shards, assign=True)
+        for block in model.blocks:  # non-persistent: in no state dict, so rebuilt by hand
+            block.attn.causal_mask = torch.ones(GPT_SEQ, GPT_SEQ, dtype=torch.bool).tril()
+    else:
+        model = _gpt_with_list_group("cpu")
+        model.to(torch.float64)
+        plain = build_model("gpt", MODEL_SEED).to(torch.float64)
+    for name, param in plain.named_parameters():
+        sharded = model.get_parameter(name)
+        check_sharded_layout(name, sharded, param.shape)
+        assert sharded.device.type == "cpu" and sharded.dtype == param.dtype, name
+    losses = _train("gpt", model, 3, sharded=True, input_dtype=dtype)
+    torch.testing.assert_close(losses, _train("gpt", plain, 3, sharded=False, input_dtype=dtype))
+    for key, param in plain.named_parameters():
+        torch.testing.assert_close(model.get_parameter(key).full_tensor(), param, msg=key)
+
+
+@pytest.mark.parametrize("path", ["to_empty", "assign", "to_float64"])
+def test_group_of_several_modules_converted_trains_like_plain(path: str) -> None:
+    run_on_ranks(2, _list_group_init, path)
+
+
+def _half_converted_group_error() -> str:
+    model = _gpt_with_list_group("meta")
+    model.to_empty(device="cpu")
+    _initialise(model)
+    model.ln_f.to(torch.float64)  # only one module of the [blocks.1, ln_f] group
+    try:
+        model(*make_batch("gpt", 0, 2))
+    except RuntimeError as e:
+        return str(e)
+    raise AssertionError("gathering a half-converted group must raise")
+
+
+@pytest.mark.skipif(IMPL_UNDER_TEST != "fsdp2", reason="pins fsdp2's messages")
+class TestHalfConvertedGroupError(expecttest.TestCase):
+    def test_gathering_a_half_converted_group_names_both_halves(self) -> None:
+        messages = run_on_ranks(2, _half_converted_group_error)
+        assert messages[0] == messages[1], "every rank must raise alike"
+        self.assertExpectedInline(messages[0], """fsdp2 group 'blocks.1,ln_f': the parameters weight, bias were replaced (by .to(), to_empty() or load_state_dict(assign=True)) but ln1.weight, ln1.bias, attn.qkv.weight, attn.proj.weight, attn.proj.bias, ln2.weight, ln2.bias, mlp.0.weight, mlp.0.bias, mlp.2.weight, mlp.2.bias were not; the modules of one fully_shard call are gathered together, so convert all of them (e.g. call .to()/to_empty() on their parent)""")
