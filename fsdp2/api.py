@@ -277,10 +277,8 @@ def _shard_choice(
     if choice is None:
         return 0, None
     mesh = getattr(getattr(choice, "mesh_info", None), "mesh", None)
-    if mesh is not None and not isinstance(param, DTensor) and mesh != info.mesh:
-        other: DeviceMesh | None = mesh
-    else:
-        other = None
+    # A DTensor parameter (expert parallel) too: its group's mesh is then joined with its own.
+    other: DeviceMesh | None = mesh if mesh is not None and mesh != info.mesh else None
     if param.dim() == 0:
         return 0, other
     placement = getattr(choice, "placement", choice)

@@ -192,20 +192,21 @@ def sharded_layout(
     info: MeshInfo, outer: DTensorSpec | None, inner: Placement, fqn: str = "a parameter"
 ) -> tuple[DeviceMesh, tuple[Placement, ...]]:
     """The mesh and placements of a sharded parameter whose local tensor is split by ``inner``
-    over the shard axis. A plain parameter lives on ``info.mesh``. A DTensor parameter (tensor
-    parallel) keeps its own placements and gains ``inner`` on the data-parallel axis of the
-    mesh both belong to: ``info.mesh`` itself (``dp_mesh_dims``) or the root of the two."""
+    over the shard axis. A plain parameter lives on ``info.mesh``. A DTensor parameter (tensor or
+    expert parallel) keeps its own placements and gains ``inner`` on the data-parallel axis:
+    of ``info.mesh`` itself (``dp_mesh_dims``: the parameter is already on it), or of the
+    data-parallel mesh's dims followed by the parameter's mesh's dims."""
     if outer is None:
         return info.mesh, info.placements(inner)
-    if outer.mesh == info.mesh:  # dp_mesh_dims: parameters already on the full mesh
-        placements = list(outer.placements)
+    placements = _on_full_mesh(info.mesh, outer)
+    if placements is not None:  # dp_mesh_dims: parameters on the full mesh or a slice of it
         for axis in (*info.shard_axes, info.shard_axis, info.replicate_axis):
             if axis is not None and not isinstance(placements[axis], Replicate):
                 raise ValueError(
                     f"{fqn} is {placements[axis]!r} on data-parallel mesh dim {axis}; "
                     "dp_mesh_dims expects parameters replicated over the data-parallel dims"
                 )
-        mesh, shard_axis = info.mesh, info.shard_axis
+        mesh = info.mesh
         if len(info.shard_axes) > 1:
             if any(p == inner for p in placements):
                 raise NotImplementedError(
@@ -217,30 +218,63 @@ def sharded_layout(
                 placements[axis] = inner
             return mesh, tuple(placements)
     else:
-        mesh = info.mesh._get_root_mesh()
-        if outer.mesh._get_root_mesh() != mesh or not mesh.mesh_dim_names:
-            raise ValueError(
-                f"{fqn} is a DTensor on mesh {outer.mesh}, which is not a named slice of "
-                f"the same root mesh as fully_shard's mesh {info.mesh}. Slice both from one "
-                "init_device_mesh(..., mesh_dim_names=(...)), e.g. mesh['dp'] and mesh['tp']"
-            )
-        names = mesh.mesh_dim_names
-        placements = [Replicate()] * mesh.ndim
-        for name, placement in zip(outer.mesh.mesh_dim_names or (), outer.placements, strict=True):
-            placements[names.index(name)] = placement
-        dp_names = info.mesh.mesh_dim_names or ()
-        shard_axis = names.index(dp_names[info.shard_axis]) if info.shard_axis is not None else None
-    if shard_axis is None:
+        mesh = joined_mesh(info.mesh, outer.mesh, fqn)
+        placements = [*info.placements(Replicate()), *outer.placements]
+    if info.shard_axis is None:
         return mesh, tuple(placements)
-    # Tensor parallelism split the dim first and fsdp2 splits the local piece again: for a TP
-    # axis after the data-parallel one in the mesh, DTensor calls that order strided.
+    placements[info.shard_axis] = _dp_placement(mesh, placements, info.shard_axis, inner)
+    return mesh, tuple(placements)
+
+
+def _on_full_mesh(mesh: DeviceMesh, outer: DTensorSpec) -> list[Placement] | None:
+    """``outer``'s placements over ``mesh``'s dims when ``outer`` lives on ``mesh`` or on a
+    slice of it (e.g. ``mesh["tp"]``; ``Replicate()`` on the dims it lacks), else ``None``."""
+    if outer.mesh == mesh:
+        return list(outer.placements)
+    names, own = mesh.mesh_dim_names or (), outer.mesh.mesh_dim_names or ()
+    if not own or not set(own) <= set(names) or list(own) != sorted(own, key=names.index):
+        return None
+    if mesh[own] != outer.mesh:  # same names, other ranks: not a slice of this mesh
+        return None
+    placements: list[Placement] = [Replicate()] * mesh.ndim
+    for name, placement in zip(own, outer.placements, strict=True):
+        placements[names.index(name)] = placement
+    return placements
+
+
+def _dp_placement(
+    mesh: DeviceMesh, placements: list[Placement], shard_axis: int, inner: Placement
+) -> Placement:
+    """Tensor parallelism split the dim first and fsdp2 splits the local piece again: for mesh
+    dims after the data-parallel one that split the same dim, DTensor calls that order strided,
+    with the number of pieces they cut as the split factor."""
+    if not isinstance(inner, Shard):
+        return inner
     split = 1
     for axis in range(shard_axis + 1, mesh.ndim):
-        if isinstance(inner, Shard) and placements[axis] == Shard(inner.dim):
+        placement = placements[axis]
+        if isinstance(placement, (Shard, _StridedShard)) and placement.dim == inner.dim:
             split *= mesh.size(axis)
-    placements[shard_axis] = (
-        _StridedShard(inner.dim, split_factor=split)
-        if isinstance(inner, Shard) and split > 1
-        else inner
+    return _StridedShard(inner.dim, split_factor=split) if split > 1 else inner
+
+
+def joined_mesh(dp: DeviceMesh, other: DeviceMesh, fqn: str = "a parameter") -> DeviceMesh:
+    """One mesh with ``dp``'s dims, then ``other``'s: both must be views of the same ranks'
+    mesh (slices of one ``init_device_mesh``, or ``_unflatten`` of one mesh) over disjoint
+    dims. Its process groups are theirs; no collective is needed to build it."""
+    problem = None
+    if not dp.mesh_dim_names or not other.mesh_dim_names:
+        problem = "both need dim names"
+    elif set(dp.mesh_dim_names) & set(other.mesh_dim_names):
+        problem = "they share dims"
+    else:
+        try:
+            return DeviceMesh._concatenate([dp, other])
+        except RuntimeError as error:  # another root mesh, or overlapping ranks
+            problem = str(error).split(":")[0].lower()
+    raise ValueError(
+        f"{fqn} is a DTensor on mesh {other}, which cannot be joined with fully_shard's mesh "
+        f"{dp} ({problem}). Build both as disjoint named dims of one mesh, e.g. mesh['dp'] and "
+        "mesh['tp'] of init_device_mesh(..., mesh_dim_names=('dp', 'tp')), or "
+        "world._unflatten(0, (dp, tp), ('dp', 'tp'))"
     )
-    return mesh, tuple(placements)

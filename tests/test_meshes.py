@@ -90,12 +90,21 @@ HSDP_LAYOUTS: dict[str, tuple[tuple[str, str], DataParallelMeshDims | None]] = {
         ("shard", "replicate"),
         DataParallelMeshDims(shard="shard", replicate="replicate"),
     ),
+    # Views unflattened from a 1-D world mesh, as torchtitan builds them.
+    "mesh_unflattened": (("replicate", "shard"), None),
 }
+
+
+def mesh_2x2(names: tuple[str, str], unflattened: bool) -> DeviceMesh:
+    if not unflattened:
+        return init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
+    world = init_device_mesh("cpu", (4,), mesh_dim_names=("world",))
+    return world._unflatten(0, (2, 2), names)
 
 
 def _hsdp(layout: str, knob: str | None) -> dict[str, Any]:
     names, dims = HSDP_LAYOUTS[layout]
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
+    mesh = mesh_2x2(names, layout.endswith("_unflattened"))
     model, ref = mlp_pair()
     shard_mlp(model, mesh=mesh, dp_mesh_dims=dims)
     placements: list[Placement] = [Replicate(), Replicate()]
@@ -408,13 +417,11 @@ def test_replicate_with_mixed_precision() -> None:
     assert results[0][0] < 2e-2, results  # bf16 compute, fp32 reduction
 
 
-def _flattened_shard_dims() -> tuple[str, str, str]:
-    from torch.distributed.device_mesh import init_device_mesh
-
+def _flattened_shard_dims(unflattened: bool) -> tuple[str, str, str]:
     import fsdp2
 
     rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    mesh = mesh_2x2(("a", "b"), unflattened)
     dims = fsdp2.DataParallelMeshDims(shard=("a", "b"))
     torch.manual_seed(0)
     reference = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
@@ -441,8 +448,9 @@ def _flattened_shard_dims() -> tuple[str, str, str]:
     )
 
 
-def test_dp_mesh_dims_flattens_several_shard_dims() -> None:
-    placements, local_shape, uneven = run_on_ranks(4, _flattened_shard_dims)[3]
+@pytest.mark.parametrize("unflattened", [False, True])
+def test_dp_mesh_dims_flattens_several_shard_dims(unflattened: bool) -> None:
+    placements, local_shape, uneven = run_on_ranks(4, _flattened_shard_dims, unflattened)[3]
     assert placements == "(Shard(dim=0), Shard(dim=0))", placements
     assert local_shape == "(4, 8)", local_shape  # 16 rows over 2 x 2 ranks
     assert uneven.startswith("NotImplementedError: weight: dim 0 of size 6 does not split"), uneven

@@ -71,3 +71,88 @@ def test_expert_parameters_form_a_group_on_their_own_mesh() -> None:
     assert counts["all_gather"] == sorted([("0", 4), ("0", 2), ("1", 4), ("1", 2)] * 2), counts
     assert counts["reduce_scatter"] == sorted([("0", 4), ("0", 2), ("1", 4), ("1", 2)]), counts
     assert counts["all_reduce"] == [("0", 2), ("1", 2)], counts
+
+
+NUM_EXPERTS, WIDTH, LOCAL_BATCH = 4, 4, 2
+
+
+class MoE(nn.Module):
+    """A dense layer, then every expert on every token (summed). Expert parallel: the experts
+    are split over the ``ep`` ranks, whose tokens DTensor exchanges (``Shard(0)`` over ep)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense = nn.Linear(WIDTH, WIDTH)
+        self.experts = nn.Parameter(torch.randn(NUM_EXPERTS, WIDTH, WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Shard
+
+        h = torch.tanh(self.dense(x))
+        experts = self.experts
+        if isinstance(experts, DTensor):  # this rank's tokens, within its ep group's batch
+            y = torch.einsum(
+                "bd,edf->bf", DTensor.from_local(h, experts.device_mesh, [Shard(0)]), experts
+            )
+            y = y.redistribute(placements=[Shard(0)]).to_local()
+        else:
+            y = torch.einsum("bd,edf->bf", h, experts)
+        return y.pow(2).mean()
+
+
+def _experts_on_unflattened_meshes() -> str:
+    """torchtitan's MoE layout: every mesh a view unflattened from one 1-D world mesh; the
+    expert weight a ``Shard(0)`` DTensor over ``ep`` placed (shard_placement_fn) on ``efsdp``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from tests.harness import fsdp_api
+
+    rank = dist.get_rank()
+    world = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("world",))
+    dp = world._unflatten(0, (WORLD,), ("fsdp",))["fsdp"]
+    sparse = dp._unflatten(0, (WORLD // 2, 2), ("efsdp", "ep"))
+    torch.manual_seed(0)
+    reference = MoE()
+    models = {}
+    infos = {m: FSDPMeshInfo(mesh=m, shard_mesh_dim=0) for m in (sparse["efsdp"], dp)}
+    for impl in ("fsdp2", "torch"):
+        model = copy.deepcopy(reference)
+        experts = distribute_tensor(model.experts.detach(), sparse["ep"], [Shard(0)])
+        model.experts = nn.Parameter(experts)
+
+        def place(p: nn.Parameter, model: MoE = model) -> object:
+            mesh = sparse["efsdp"] if p is model.experts else dp
+            return ShardPlacementResult(placement=Shard(0), mesh_info=infos[mesh])
+
+        fsdp_api(impl).fully_shard(model, mesh=dp, shard_placement_fn=place)
+        models[impl] = model
+    model, theirs = models["fsdp2"], models["torch"]
+    for (name, p), q in zip(model.named_parameters(), theirs.parameters(), strict=True):
+        assert p.placements == q.placements, (name, p.placements, q.placements)
+        assert p.device_mesh == q.device_mesh, (name, p.device_mesh, q.device_mesh)
+        torch.testing.assert_close(p.to_local(), q.to_local(), rtol=0, atol=0, msg=name)
+    # Experts reduce over efsdp only; their ep peers' tokens already summed into their
+    # gradient: dividing by the whole dp size makes both kinds the global batch's mean.
+    model.set_gradient_divide_factor(float(WORLD))
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        x = torch.randn(WORLD * LOCAL_BATCH, WIDTH, generator=torch.Generator().manual_seed(step))
+        reference(x).backward()
+        model(x[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH]).backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6, msg=name)
+        for optimizer in (ref_opt, opt):
+            optimizer.step()
+            optimizer.zero_grad()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.full_tensor(), q, rtol=1e-5, atol=1e-5)
+    return str((model.experts.device_mesh.mesh_dim_names, model.experts.placements))
+
+
+def test_expert_parallel_parameters_on_unflattened_meshes() -> None:
+    """Parity with the single process, and the same layout as torch's fully_shard."""
+    layout = run_on_ranks(WORLD, _experts_on_unflattened_meshes)[0]
+    assert layout == "(('efsdp', 'ep'), (_StridedShard(dim=0, sf=2), Shard(dim=0)))", layout

@@ -160,10 +160,24 @@ def expected_placements(name: str, sequence_parallel: bool, layout: str) -> tupl
     return (Shard(0),) if layout == "dp_slice" else (Shard(0), Replicate())
 
 
+def dp_tp_mesh(unflattened: bool) -> DeviceMesh:
+    """The (dp=2, tp=2) mesh: from init_device_mesh, or as torchtitan builds it, a view
+    unflattened from one 1-D mesh over the world (its root is that 1-D mesh)."""
+    if not unflattened:
+        return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    world = init_device_mesh("cpu", (4,), mesh_dim_names=("world",))
+    return world._unflatten(0, (2, 2), ("dp", "tp"))
+
+
 def _fsdp_tp(
-    sequence_parallel: bool, layout: str, precision: str, shard_dim: int, traced: bool = False
+    sequence_parallel: bool,
+    layout: str,
+    precision: str,
+    shard_dim: int,
+    traced: bool = False,
+    unflattened: bool = False,
 ) -> list[float]:
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = dp_tp_mesh(unflattened)
     torch.manual_seed(SEED)
     model = TinyGPT()
     ref, torch_model = copy.deepcopy(model), copy.deepcopy(model)
@@ -221,21 +235,31 @@ def _fsdp_tp(
 
 
 @pytest.mark.parametrize(
-    ("sequence_parallel", "layout", "precision", "shard_dim"),
+    ("sequence_parallel", "layout", "precision", "shard_dim", "unflattened"),
     [
-        (False, "dp_slice", "fp32", 0),
-        (True, "dp_slice", "fp32", 0),
-        (False, "dp_mesh_dims", "fp32", 0),
-        (True, "dp_mesh_dims", "fp32", 0),
-        (False, "dp_slice", "bf16", 0),
-        (False, "dp_slice", "fp32", 1),  # row-wise weights: (_StridedShard(1), Shard(1))
+        (False, "dp_slice", "fp32", 0, False),
+        (True, "dp_slice", "fp32", 0, False),
+        (False, "dp_mesh_dims", "fp32", 0, False),
+        (True, "dp_mesh_dims", "fp32", 0, False),
+        (False, "dp_slice", "bf16", 0, False),
+        (False, "dp_slice", "fp32", 1, False),  # row-wise weights: (_StridedShard(1), Shard(1))
+        # Meshes that are views of a 1-D world mesh (torchtitan's DeviceMesh._unflatten).
+        (True, "dp_slice", "fp32", 0, True),
+        (False, "dp_mesh_dims", "fp32", 0, True),
     ],
 )
 def test_fsdp_tp_parity(
-    sequence_parallel: bool, layout: str, precision: str, shard_dim: int
+    sequence_parallel: bool, layout: str, precision: str, shard_dim: int, unflattened: bool
 ) -> None:
     results = run_on_ranks(
-        4, _fsdp_tp, sequence_parallel, layout, precision, shard_dim, timeout=120
+        4,
+        _fsdp_tp,
+        sequence_parallel,
+        layout,
+        precision,
+        shard_dim,
+        unflattened=unflattened,
+        timeout=120,
     )
     assert all(losses == results[0] for losses in results)
 
@@ -302,18 +326,25 @@ def _partial_reshard_with_tp() -> str:
     return raised(lambda: fsdp2.fully_shard(model, mesh=mesh["dp"], reshard_after_forward=2))
 
 
+def _overlapping_meshes() -> str:
+    # Two meshes over the same 2 ranks: no mesh has both as dims.
+    tp = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    dp = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    model = parallelize_module(nn.Linear(4, 2), tp, ColwiseParallel())
+    return raised(lambda: fsdp2.fully_shard(model, mesh=dp))
+
+
 class TestTensorParallelErrors(expecttest.TestCase):
     @classmethod
     def setUpClass(cls) -> None:
         init_local_process_group()
 
-    def test_dtensor_on_a_mesh_of_another_root(self) -> None:
-        tp = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
-        dp = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
-        model = parallelize_module(nn.Linear(4, 2), tp, ColwiseParallel())
+    def test_dtensor_on_a_mesh_that_overlaps_the_dp_mesh(self) -> None:
+        messages = run_on_ranks(2, _overlapping_meshes)
+        assert all(m == messages[0] for m in messages)
         self.assertExpectedInline(
-            raised(lambda: fsdp2.fully_shard(model, mesh=dp)),
-            """ValueError: weight is a DTensor on mesh DeviceMesh((tp=1), 'cpu', stride=((),)), which is not a named slice of the same root mesh as fully_shard's mesh DeviceMesh((dp=1), 'cpu', stride=((),)). Slice both from one init_device_mesh(..., mesh_dim_names=(...)), e.g. mesh['dp'] and mesh['tp']""",
+            messages[0],
+            """ValueError: weight is a DTensor on mesh DeviceMesh((tp=2), 'cpu', stride=(1,)), which cannot be joined with fully_shard's mesh DeviceMesh((dp=2), 'cpu', stride=(1,)) (cannot concatenate overlapping meshes). Build both as disjoint named dims of one mesh, e.g. mesh['dp'] and mesh['tp'] of init_device_mesh(..., mesh_dim_names=('dp', 'tp')), or world._unflatten(0, (dp, tp), ('dp', 'tp'))""",
         )
 
     def test_dp_mesh_dims_parameter_sharded_on_dp(self) -> None:
