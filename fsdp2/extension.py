@@ -112,7 +112,7 @@ def unpack(group: FSDPParamGroup, gathered: torch.Tensor, packing: Packing) -> t
             piece = rows[:, start : start + nbytes].contiguous().view(dtype)
             start += nbytes
             outputs.append(piece.view(world * shape[0], *shape[1:]) if shape else piece)
-        _rebuild_unsharded(fsdp_param, tuple(outputs), metadata, group.param_dtype)
+        _rebuild_unsharded(fsdp_param, tuple(outputs), metadata, fsdp_param.param_dtype)
     return rows[:, :plain_bytes]
 
 

@@ -1,10 +1,18 @@
 """``FSDPParam``: one parameter, seen as its slice of its group's flat buffers.
 
-Layout (see [Note: flat layout] in param_group.py): a parameter of shape ``(d0, *rest)`` is cut into
-``W`` chunks of ``ceil(d0 / W)`` rows, as ``torch.chunk`` and DTensor's ``Shard(0)`` cut it; the
-last chunks are padded with rows that exist only inside fsdp2's buffers, never in a tensor a user
-sees. A 0-d parameter cannot be cut: every rank keeps the whole scalar (``Replicate()``) and
-contributes it as a one-element chunk, so it still rides in the group's single collective.
+Layout (see [Note: flat layout] in param_group.py): a parameter is cut along its shard dim into
+``W`` chunks of ``ceil(rows / W)`` rows, as ``torch.chunk`` and DTensor's ``Shard(dim)`` cut it.
+Each rank's chunk holds its rows as one contiguous tensor of their true shape, followed by padding
+that exists only inside fsdp2's buffers, never in a tensor a user sees. A 0-d parameter cannot be
+cut: every rank keeps the whole scalar (``Replicate()``) and contributes it as a one-element chunk,
+so it still rides in the group's single collective.
+
+[Note: sharding another dim]
+With ``Shard(d)``, ``d > 0``, rank ``r``'s rows are a strided slab of the contiguous full
+parameter, not a slice of it: seen as ``(A, rows, X)`` (``A``/``X`` the products of the dims
+before/after ``d``), rank ``r`` holds ``[:, r*c : r*c + n_r]``. Ranks ``0..k-1`` hold ``c`` rows
+each (``k = rows // c``) and rank ``k`` the rest, so two strided copies (``rank_blocks``) move
+every rank's chunk between the rank-major buffers and the full parameter.
 """
 
 from __future__ import annotations
@@ -26,7 +34,15 @@ from fsdp2.mesh import MeshInfo, sharded_layout
 if TYPE_CHECKING:
     from fsdp2.param_group import FSDPParamGroup
 
-__all__ = ["FSDPParam", "ShardedState"]
+__all__ = ["FSDPParam", "ShardedState", "typed"]
+
+
+def typed(flat: torch.Tensor, start: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """``numel`` elements of ``dtype`` at ``start`` of ``flat``: counted in elements if ``flat`` has
+    that dtype, else in bytes (a mixed-dtype group's byte buffers)."""
+    if flat.dtype == dtype:
+        return flat[start : start + numel]
+    return flat[start : start + numel * dtype.itemsize].view(dtype)
 
 
 class ShardedState(Enum):
@@ -70,6 +86,10 @@ class FSDPParam:
         # Set by the group once the layout is fixed.
         self.group: FSDPParamGroup  # the group whose flat buffers hold this parameter
         self.offset = 0  # start of this parameter's chunk inside a rank's flat shard
+        self.param_dtype = self.dtype  # what it is gathered and computed in (mixed precision)
+        # Its chunk in a rank's part of the gathered buffer (in the dtype's units, or bytes).
+        self.gather_offset = 0
+        self.gather_units = 0
         self.sharded_param: nn.Parameter  # DTensor; the optimizer's parameter
         self.unsharded_param: nn.Parameter  # plain tensor viewing the unsharded buffer
         self.grad_node: torch.autograd.graph.Node | None = None  # AccumulateGrad, kept alive
@@ -77,8 +97,7 @@ class FSDPParam:
 
     def plan(self, info: MeshInfo) -> None:
         """Fix this rank's chunk: ``chunk_numel`` (padded, equal on all ranks) and the real part,
-        and the mesh and placements of the sharded DTensor. Sharding ``dim`` works on the
-        parameter with that dim moved to the front ("layout order"); see ``param_order``."""
+        and the mesh and placements of the sharded DTensor."""
         world, rank, dim = info.shard_size, info.shard_rank, self.dim
         if len(self.shape) == 0:
             self.mesh, self.placements = sharded_layout(
@@ -87,7 +106,7 @@ class FSDPParam:
             self.chunk_numel = 1
             self.local_shape: tuple[int, ...] = ()
             self.layout_shape: tuple[int, ...] = ()
-            self.row_start = 0
+            self.row_start = self.chunk_rows = 0
             return
         self.mesh, self.placements = sharded_layout(info, self.outer_spec, Shard(dim), self.fqn)
         strided = any(isinstance(pl, _StridedShard) for pl in self.placements)
@@ -107,8 +126,11 @@ class FSDPParam:
         chunk_rows = -(-rows // world)
         local_rows = min(max(rows - rank * chunk_rows, 0), chunk_rows)
         self.chunk_numel = chunk_rows * math.prod(rest)
-        self.layout_shape = (rows, *rest)
-        self.local_shape = (local_rows, *rest)
+        self.chunk_rows = chunk_rows
+        self.layout_shape = (rows, *rest)  # the shard dim first: traced mode gathers this order
+        local_shape = list(self.shape)
+        local_shape[dim] = local_rows
+        self.local_shape = tuple(local_shape)
         self.row_start = min(rank * chunk_rows, rows)
 
     def param_order(self, layout: torch.Tensor) -> torch.Tensor:
@@ -122,7 +144,7 @@ class FSDPParam:
     def init_sharded(self, flat: torch.Tensor, info: MeshInfo, full: torch.Tensor | None) -> None:
         """Make the sharded parameter view its chunk of ``flat``, filled with this rank's rows of
         ``full``, or (``full=None``) with the current sharded parameter's values."""
-        local = self.local_view(flat, self.offset)
+        local = typed(flat, self.offset, self.local_numel, self.dtype).view(self.local_shape)
         if self.subclass is not None:
             local = local.as_subclass(self.subclass)  # same storage, the user's subclass
         if full is None:
@@ -151,13 +173,13 @@ class FSDPParam:
         """This rank's rows of a full (global) tensor of this parameter's shape."""
         if not self.shape:
             return full
-        return full.narrow(self.dim, self.row_start, self.local_shape[0])
+        return full.narrow(self.dim, self.row_start, self.local_shape[self.dim])
 
     def init_unsharded(self, unsharded_flat: torch.Tensor, world: int) -> None:
-        """View this parameter's (padded) region of the group's param-major unsharded buffer."""
-        start = world * self.offset
-        layout_shape = self.layout_shape if self.shape else ()
-        view = self.param_order(unsharded_flat[start : start + self.numel].view(layout_shape))
+        """View this parameter's (padded) region of the group's param-major unsharded buffer: its
+        start, as a contiguous tensor of the full shape."""
+        start = world * self.gather_offset
+        view = typed(unsharded_flat, start, self.numel, self.param_dtype).view(self.shape)
         if self.outer_spec is not None:
             view = DTensor(view, self.outer_spec, requires_grad=False)  # type: ignore[no-untyped-call]
         self.adopt_unsharded(nn.Parameter(view, requires_grad=self.requires_grad))
@@ -179,7 +201,46 @@ class FSDPParam:
 
     def local_view(self, flat: torch.Tensor, start: int) -> torch.Tensor:
         """This rank's real rows inside a rank-local buffer where the chunk begins at ``start``."""
-        return self.param_order(flat[start : start + self.local_numel].view(self.local_shape))
+        return flat[start : start + self.local_numel].view(self.local_shape)
+
+    def rank_blocks(
+        self, full: torch.Tensor, chunks: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Pairs of matching views that copy between ``full`` (the whole parameter, contiguous,
+        1-D) and ``chunks`` (``(W, >= chunk)``, rank-major; each rank's rows at the start of its
+        row), for ``Shard(dim > 0)``: see [Note: sharding another dim]. Both in elements of the
+        parameter, or both in bytes."""
+        if self.numel == 0:
+            return []
+        scale = full.numel() // self.numel  # the element size when given bytes, else 1
+        rows, c = self.shape[self.dim], self.chunk_rows
+        a = math.prod(self.shape[: self.dim])
+        x = math.prod(self.shape[self.dim + 1 :]) * scale
+        whole = full.view(a, rows, x)
+        k, rest = divmod(rows, c)
+        pairs = []
+        if k:
+            block = whole[:, : k * c].reshape(a, k, c * x).transpose(0, 1)
+            pairs.append((block, chunks[:k, : a * c * x].view(k, a, c * x)))
+        if rest:
+            pairs.append(
+                (whole[:, k * c :].reshape(a, rest * x), chunks[k, : a * rest * x].view(a, -1))
+            )
+        return pairs
+
+    def rank_major(self, full: torch.Tensor, world: int) -> torch.Tensor:
+        """``full`` (a tensor of the parameter's shape, e.g. its gradient) rank-major, for
+        ``torch._chunk_cat(..., dim=0, num_chunks=world)``: as is for dim 0 (it pads), a view
+        when the shard dim splits evenly, else a zero-padded ``(W, chunk)`` copy."""
+        if not self.dim:
+            return full
+        if self.numel and self.shape[self.dim] == world * self.chunk_rows:
+            # Even: rank r's rows are [:, r] of (A, W, rest), a strided view, no copy.
+            return full.reshape(math.prod(self.shape[: self.dim]), world, -1).transpose(0, 1)
+        chunks = full.new_zeros(world, self.chunk_numel)
+        for whole, chunk in self.rank_blocks(full.reshape(-1), chunks):
+            chunk.copy_(whole)
+        return chunks
 
     def make_grad(self, local: torch.Tensor) -> DTensor:
         """A gradient with the sharded parameter's placement, wrapping ``local`` without a copy.

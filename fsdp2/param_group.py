@@ -7,6 +7,15 @@ optimizer writes straight into the all-gather input: gathering needs no copy-in.
 rank-major (``[rank 0's chunks | rank 1's chunks | ...]``) and one ``split_with_sizes_copy``
 turns it param-major into ``unsharded_flat``, which the unsharded parameters view.
 
+[Note: mixed dtypes]
+A group whose parameters have several dtypes (a frozen bf16 or fp8 base weight beside fp32
+adapters) keeps both flat buffers as bytes: each chunk, 16-byte aligned, is viewed as its
+parameter's dtype, and the gather moves bytes, still one collective and no copy-in unless mixed
+precision casts some chunk. Mixed precision applies per parameter, floating ones only. Gradients
+are reduce-scattered together too, in the widest of the trainable parameters' reduce dtypes
+(bf16 beside fp32 reduces in fp32, rounded once on the way back): one collective, and no
+parameter's gradient is summed at less than its own precision.
+
 [Note: freeing unsharded storage]
 Autograd saves the unsharded parameters it needs for backward. Rather than dropping the tensors,
 resharding shrinks the storage under ``unsharded_flat`` to zero bytes, and unsharding grows it back
@@ -17,6 +26,7 @@ would bump their version counter and trip autograd's in-place check, so it runs 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -32,7 +42,7 @@ from fsdp2.collectives import (
 )
 from fsdp2.extension import Packing
 from fsdp2.mesh import MeshInfo
-from fsdp2.param import FSDPParam, ShardedState
+from fsdp2.param import FSDPParam, ShardedState, typed
 from fsdp2.policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from fsdp2.reduce import GradientReduction
 
@@ -68,17 +78,11 @@ class FSDPParamGroup(GradientReduction):
         for fsdp_param in self.fsdp_params:
             fsdp_param.on_grad_ready = self._on_grad_ready
         self.mp_policy = mp_policy or MixedPrecisionPolicy()
-        self._set_dtypes()
         self.device = device  # where gathers, compute and reductions run
         self.offload = offload
-        offset = 0
         for fsdp_param in self.fsdp_params:
             fsdp_param.plan(info)
-            fsdp_param.offset = offset
-            offset += fsdp_param.chunk_numel
-        self.shard_numel = offset
-        self.plain_numel = sum(p.chunk_numel for p in self.plain_params)
-        self._chunk_sizes = [p.chunk_numel for p in self.plain_params]
+        self._set_dtypes()
         # Decided from shapes, not this rank's shard, so that every rank raises alike.
         uneven = [p.fqn for p in self.ext_params if p.shape and p.shape[p.dim] % self.world]
         if uneven:
@@ -140,6 +144,7 @@ class FSDPParamGroup(GradientReduction):
         self.alias = (
             world == 1
             and self.param_dtype == self.dtype
+            and not self._cast_each
             and storage_device == self.device
             and not self.ext_params
         )
@@ -163,20 +168,54 @@ class FSDPParamGroup(GradientReduction):
                 world * self.plain_numel, dtype=self.param_dtype, device=self.device
             )
         self._copy_out = [
-            self.unsharded_flat[world * p.offset : world * (p.offset + p.chunk_numel)].view(
-                world, p.chunk_numel
-            )
+            self.unsharded_flat[
+                world * p.gather_offset : world * (p.gather_offset + p.gather_units)
+            ].view(world, p.gather_units)
             for p in self.plain_params
         ]
         for fsdp_param in self.plain_params:
             fsdp_param.init_unsharded(self.unsharded_flat, world)
 
     def _set_dtypes(self) -> None:
-        self.dtype = _common_dtype(self.fsdp_params, self.label)
+        """Each parameter's gather dtype, the group's buffer and reduce dtypes, and the chunks'
+        offsets in those buffers (elements of the one dtype, or bytes: [Note: mixed dtypes])."""
         mp = self.mp_policy
-        floating = self.dtype.is_floating_point  # mixed precision leaves other dtypes alone
-        self.param_dtype = (mp.param_dtype if floating else None) or self.dtype
-        self.reduce_dtype = (mp.reduce_dtype if floating else None) or self.param_dtype
+        for p in self.fsdp_params:  # mixed precision leaves non-floating dtypes alone
+            p.param_dtype = (mp.param_dtype if p.dtype.is_floating_point else None) or p.dtype
+        dtypes = {p.dtype for p in self.fsdp_params}
+        self.mixed = len(dtypes) > 1
+        if self.mixed:
+            self.dtype = self.param_dtype = torch.uint8
+            reduce_dtypes = [mp.reduce_dtype or p.param_dtype for p in self.trainable]
+            self.reduce_dtype = (
+                functools.reduce(torch.promote_types, reduce_dtypes)
+                if reduce_dtypes
+                else torch.float32
+            )
+        else:
+            self.dtype = dtypes.pop() if dtypes else torch.float32
+            floating = self.dtype.is_floating_point
+            self.param_dtype = (mp.param_dtype if floating else None) or self.dtype
+            self.reduce_dtype = (mp.reduce_dtype if floating else None) or self.param_dtype
+        offset = 0
+        for p in self.fsdp_params:
+            p.offset = offset
+            offset += self._units(p.chunk_numel, p.dtype)
+        self.shard_numel = offset
+        offset = 0
+        for p in self.plain_params:
+            p.gather_offset, p.gather_units = offset, self._units(p.chunk_numel, p.param_dtype)
+            offset += p.gather_units
+        self.plain_numel = offset
+        self._chunk_sizes = [p.gather_units for p in self.plain_params]
+        # A mixed group casting some chunks gathers a packed copy, not its shard's bytes.
+        self._cast_each = self.mixed and any(p.param_dtype != p.dtype for p in self.plain_params)
+        # Shard(dim > 0) chunks are strided slabs of the full parameter: no single split-copy.
+        self._split_copy = all(not p.dim for p in self.plain_params)
+
+    def _units(self, numel: int, dtype: torch.dtype) -> int:
+        """Buffer units for ``numel`` elements of ``dtype``: elements, or aligned bytes."""
+        return -(-numel * dtype.itemsize // 16) * 16 if self.mixed else numel
 
     def rebuild(self) -> None:
         """Re-pack the sharded parameters into fresh buffers once something (``module.to(...)``,
@@ -208,7 +247,7 @@ class FSDPParamGroup(GradientReduction):
         # Storage identity, not data_ptr: every meta tensor's data_ptr is 0.
         return bool(
             local.untyped_storage()._cdata == flat.untyped_storage()._cdata
-            and local.dtype == flat.dtype
+            and local.dtype == fsdp_param.dtype  # not flat's: a mixed group's flat is bytes
         )
 
     def _repack_if_stale(self) -> None:
@@ -254,8 +293,11 @@ class FSDPParamGroup(GradientReduction):
             source, group = self._partial, self.partial_group
         else:
             # One cast/copy of the plain shard: to param_dtype, and to the device if offloaded.
-            plain = self.sharded_flat[: self.plain_numel]
-            source = plain.to(self.device, self.param_dtype, non_blocking=True)
+            if self._cast_each:
+                source = self._cast_plain()
+            else:
+                plain = self.sharded_flat[: self.plain_numel]
+                source = plain.to(self.device, self.param_dtype, non_blocking=True)
             group = self.info.shard_group
             if self.ext_params:
                 source, packing = extension.pack(self, source)
@@ -315,7 +357,7 @@ class FSDPParamGroup(GradientReduction):
                     rows = out.view(self.world, self.plain_numel)
                     sizes, targets = self._chunk_sizes, self._copy_out
                 if out is not self.unsharded_flat and targets:
-                    torch.split_with_sizes_copy(rows, sizes, dim=1, out=targets)
+                    self._copy_rows(rows, sizes, targets)
             if owned:
                 # Free it now: the finished collective may keep a reference to it for a while
                 # (gloo drops its own on a worker thread), and a block-sized buffer must not
@@ -324,6 +366,37 @@ class FSDPParamGroup(GradientReduction):
         for fsdp_param in self.fsdp_params:
             fsdp_param.register(fsdp_param.unsharded_param)
         self.state = ShardedState.UNSHARDED
+
+    def _cast_plain(self) -> torch.Tensor:
+        """A mixed group's send buffer when mixed precision casts some chunks: every plain chunk
+        in its gather dtype, at its gather offset (alignment gaps are never read)."""
+        send = torch.empty(self.plain_numel, dtype=torch.uint8, device=self.device)
+        flat = self.sharded_flat
+        dst = [
+            typed(send, p.gather_offset, p.chunk_numel, p.param_dtype) for p in self.plain_params
+        ]
+        src = [typed(flat, p.offset, p.chunk_numel, p.dtype) for p in self.plain_params]
+        torch._foreach_copy_(dst, src, non_blocking=True)
+        return send
+
+    def _copy_rows(self, rows: torch.Tensor, sizes: list[int], targets: list[torch.Tensor]) -> None:
+        """Copy the gathered ``(W, units)`` rows param-major into the unsharded buffer."""
+        if self._split_copy:
+            torch.split_with_sizes_copy(rows, sizes, dim=1, out=targets)
+            return
+        dst, src = [], []
+        for p, piece, target in zip(
+            self.plain_params, torch.split(rows, sizes, dim=1), targets, strict=True
+        ):
+            if not p.dim:
+                dst.append(target)
+                src.append(piece)
+                continue
+            scale = p.param_dtype.itemsize if target.dtype != p.param_dtype else 1
+            for whole, chunk in p.rank_blocks(target.reshape(-1)[: p.numel * scale], piece):
+                dst.append(whole)
+                src.append(chunk)
+        torch._foreach_copy_(dst, src)
 
     def reshard(self) -> None:
         """Register the sharded parameters again and free the unsharded storage."""
@@ -349,7 +422,15 @@ class FSDPParamGroup(GradientReduction):
             return
         lo, hi = self.partial_rows
         # Param-major → the rank-major layout those W/k ranks would contribute to a full gather.
-        partial = torch.cat([view[lo:hi] for view in self._copy_out], dim=1).view(-1)
+        parts = []
+        for p, view in zip(self.plain_params, self._copy_out, strict=True):
+            if p.dim:  # the full parameter, not rank-major chunks: cut them out
+                scale = p.param_dtype.itemsize if view.dtype != p.param_dtype else 1
+                full, view = view.reshape(-1)[: p.numel * scale], view.new_zeros(view.shape)
+                for whole, chunk in p.rank_blocks(full, view):
+                    chunk.copy_(whole)
+            parts.append(view[lo:hi])
+        partial = torch.cat(parts, dim=1).view(-1)
         self.reshard()
         self._partial = partial
         self.state = ShardedState.PARTIAL
@@ -372,15 +453,3 @@ class FSDPParamGroup(GradientReduction):
 
     def __repr__(self) -> str:
         return f"FSDPParamGroup({self.label!r}, {self.state.name}, {len(self.fsdp_params)} params)"
-
-
-def _common_dtype(params: list[FSDPParam], label: str) -> torch.dtype:
-    dtypes = {p.dtype for p in params}
-    if len(dtypes) > 1:
-        found = ", ".join(f"{p.fqn}: {p.dtype}" for p in params)
-        raise NotImplementedError(
-            f"fully_shard({label or 'root'}) got parameters of several dtypes ({found}); one "
-            "group gathers one dtype. Call fully_shard separately on the submodules of each "
-            "dtype, or cast the module to one dtype first"
-        )
-    return dtypes.pop() if dtypes else torch.float32

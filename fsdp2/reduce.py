@@ -85,6 +85,7 @@ class GradientReduction:
     trainable: list[FSDPParam]
     sharded_flat: torch.Tensor
     dtype: torch.dtype
+    mixed: bool  # parameters of several dtypes (see [Note: mixed dtypes] in param_group.py)
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
     device: torch.device
@@ -219,7 +220,7 @@ class GradientReduction:
         # A scalar is replicated: every rank's chunk carries it, so each gets the reduced value.
         if grad.dim() == 0:
             return grad.reshape(1).expand(self.world)
-        return grad.movedim(fsdp_param.dim, 0) if fsdp_param.dim else grad
+        return fsdp_param.rank_major(grad, self.world)
 
     def finish_reduce(
         self, out: torch.Tensor, params: list[FSDPParam], use_sum: bool
@@ -242,11 +243,12 @@ class GradientReduction:
                 out.div_(factor)
         if self.all_reduce_hook is not None:
             self.all_reduce_hook(out)
-        out = out.to(self.sharded_flat.device, self.dtype)  # no-op without mp or offload
+        # No-op without mp or offload. A mixed-dtype group casts each shard to its own dtype.
+        out = out.to(self.sharded_flat.device, out.dtype if self.mixed else self.dtype)
         shards = []
         start = 0
         for fsdp_param in params:
-            shards.append((fsdp_param, fsdp_param.local_view(out, start)))
+            shards.append((fsdp_param, fsdp_param.local_view(out, start).to(fsdp_param.dtype)))
             start += fsdp_param.chunk_numel
         return shards
 
@@ -254,8 +256,8 @@ class GradientReduction:
         self, params: list[FSDPParam], grads: list[torch.Tensor]
     ) -> list[tuple[FSDPParam, torch.Tensor]]:
         """With one rank and no replicas, each whole gradient is the shard: no copy, no cut."""
-        device, dtype = self.sharded_flat.device, self.dtype
+        device = self.sharded_flat.device
         return [
-            (p, p.param_order(g.reshape(p.local_shape)).to(device, dtype))
+            (p, g.reshape(p.local_shape).to(device, p.dtype))
             for p, g in zip(params, grads, strict=True)
         ]
