@@ -9,9 +9,10 @@ turns it param-major into ``unsharded_flat``, which the unsharded parameters vie
 
 [Note: mixed dtypes]
 A group whose parameters have several dtypes (a frozen bf16 or fp8 base weight beside fp32
-adapters) keeps both flat buffers as bytes: each chunk, 16-byte aligned, is viewed as its
-parameter's dtype, and the gather moves bytes, still one collective and no copy-in unless mixed
-precision casts some chunk. Mixed precision applies per parameter, floating ones only. Gradients
+adapters) keeps both flat buffers as bytes, each chunk viewed as its parameter's dtype, and the
+gather moves bytes: still one collective, and no copy-in unless mixed precision casts some chunk.
+Chunks go widest dtype first, so that every one starts at a multiple of its element size, in a
+rank's shard and in the param-major unsharded buffer alike. Mixed precision applies per parameter, floating ones only. Gradients
 are reduce-scattered together too, in the widest of the trainable parameters' reduce dtypes
 (bf16 beside fp32 reduces in fp32, rounded once on the way back): one collective, and no
 parameter's gradient is summed at less than its own precision.
@@ -197,25 +198,31 @@ class FSDPParamGroup(GradientReduction):
             floating = self.dtype.is_floating_point
             self.param_dtype = (mp.param_dtype if floating else None) or self.dtype
             self.reduce_dtype = (mp.reduce_dtype if floating else None) or self.param_dtype
-        offset = 0
-        for p in self.fsdp_params:
-            p.offset = offset
-            offset += self._units(p.chunk_numel, p.dtype)
-        self.shard_numel = offset
+        if self.mixed:  # widest first: every chunk's offset is a multiple of its element size
+            self.plain_params.sort(key=lambda p: -p.param_dtype.itemsize)
+        # A mixed group casting some chunks gathers a packed copy, not its shard's bytes.
+        self._cast_each = self.mixed and any(p.param_dtype != p.dtype for p in self.plain_params)
         offset = 0
         for p in self.plain_params:
             p.gather_offset, p.gather_units = offset, self._units(p.chunk_numel, p.param_dtype)
             offset += p.gather_units
         self.plain_numel = offset
         self._chunk_sizes = [p.gather_units for p in self.plain_params]
-        # A mixed group casting some chunks gathers a packed copy, not its shard's bytes.
-        self._cast_each = self.mixed and any(p.param_dtype != p.dtype for p in self.plain_params)
+        # The shard's plain prefix is what a gather without casts sends: the same layout. Chunks
+        # not sent as they are may start anywhere: at 16 bytes, aligned for any dtype.
+        offset = 0
+        for p in self.plain_params + self.ext_params:
+            if self.mixed and (self._cast_each or p.extension):
+                offset = -(-offset // 16) * 16
+            p.offset = offset
+            offset += self._units(p.chunk_numel, p.dtype)
+        self.shard_numel = offset
         # Shard(dim > 0) chunks are strided slabs of the full parameter: no single split-copy.
         self._split_copy = all(not p.dim for p in self.plain_params)
 
     def _units(self, numel: int, dtype: torch.dtype) -> int:
-        """Buffer units for ``numel`` elements of ``dtype``: elements, or aligned bytes."""
-        return -(-numel * dtype.itemsize // 16) * 16 if self.mixed else numel
+        """Buffer units for ``numel`` elements of ``dtype``: elements, or bytes if mixed."""
+        return numel * dtype.itemsize if self.mixed else numel
 
     def rebuild(self) -> None:
         """Re-pack the sharded parameters into fresh buffers once something (``module.to(...)``,

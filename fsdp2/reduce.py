@@ -163,6 +163,8 @@ class GradientReduction:
         else:
             inp = torch.empty(size, dtype=dtype, device=device)
             out = inp.new_empty(numel)
+        if self.mixed:  # _chunk_cat takes one dtype; it casts that to reduce_dtype
+            grads = [g.to(dtype) for g in grads]
         torch._chunk_cat(grads, dim=0, num_chunks=self.world, out=inp)  # casts to reduce_dtype
         grads.clear()  # copied: free them before the collective allocates its own buffers
         op = dist.ReduceOp.SUM if use_sum else dist.ReduceOp.AVG

@@ -28,6 +28,7 @@ from tests.parity import adamw
 
 MakeBatch = Callable[[torch.Generator, int], Batch]
 LOCAL_BATCH = 4
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,7 +76,15 @@ def global_batch(make_batch: MakeBatch, step: int, micro: int, dp_size: int) -> 
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    if not isinstance(t, DTensor):
+        return t
+    if t.dtype in FP8_DTYPES:  # gloo moves no fp8: gather the bytes
+        local = t.to_local().view(torch.uint8)
+        as_bytes = DTensor.from_local(
+            local, t.device_mesh, t.placements, shape=t.shape, stride=t.stride()
+        )
+        return as_bytes.full_tensor().view(t.dtype)
+    return t.full_tensor()
 
 
 def close(
@@ -86,6 +95,8 @@ def close(
     atol: float,
     normwise: bool = False,
 ) -> None:
+    if actual.dtype in FP8_DTYPES:  # assert_close compares fp8 only bitwise: upcast (exact)
+        actual, expected = actual.float(), expected.float()
     if normwise:
         error, scale = (actual - expected).norm().item(), expected.norm().item()
         if not error <= atol + rtol * scale:
