@@ -37,6 +37,7 @@ from tests.dp_parity import (
 from tests.errors import error_text, raised
 from tests.harness import fsdp_api, init_local_process_group, run_on_ranks
 from tests.models import MODELS, MLPStack, build_model
+from tests.parity import ADAM_EPS, LR, WEIGHT_DECAY
 
 SEED = 1234
 MLP_BATCH = MODELS["mlp"].make_batch
@@ -249,7 +250,21 @@ def _shard_dim(name: str, dim: int) -> dict[str, Any]:
         for (fqn, p), tp in zip(model.named_parameters(), torch_model.parameters(), strict=True):
             assert tp.placements == p.placements, (fqn, tp.placements, p.placements)
             torch.testing.assert_close(tp.to_local(), p.to_local(), rtol=0, atol=0)
-    train_side_by_side(model, ref, MODELS[name].make_batch, dp_rank=rank, dp_size=world)
+    # foreach AdamW: its fused kernels take flat views of every parameter, gradient and state.
+    optim = torch.optim.AdamW(
+        model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, eps=ADAM_EPS, foreach=True
+    )
+    make_batch = MODELS[name].make_batch
+    train_side_by_side(model, ref, make_batch, dp_rank=rank, dp_size=world, optim=optim)
+    model(*local_batch(make_batch, 9, 0, rank)).backward()
+    for fqn, p in model.named_parameters():
+        # Contiguous tensors of their true local shape, as torch's (a flat view must work).
+        assert isinstance(p.grad, DTensor), fqn
+        state = optim.state[p]["exp_avg"]
+        for what, t in (("param", p), ("grad", p.grad), ("exp_avg", state)):
+            local = t.to_local()
+            assert local.is_contiguous() and local.shape == layouts[fqn], (fqn, what, local)
+            local.view(-1)
     return layouts
 
 
