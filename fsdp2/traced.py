@@ -243,6 +243,8 @@ def _unsupported(state: FSDPState) -> list[str]:
         found.append("replicate-only meshes")
     if info.replicate_group is not None and not group.requires_all_reduce:
         found.append("set_requires_all_reduce(False)")
+    if group.mixed:
+        found.append("parameters of several dtypes in one group")
     if any(p.extension for p in group.fsdp_params):
         found.append("all-gather extensions (fsdp_pre_all_gather)")
     if group.offload is not None:

@@ -58,11 +58,16 @@ def _backward_counts(t: Lockstep, kind: str) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _reshard_after_forward_int(k: int) -> list[dict[str, Any]]:
+def _reshard_after_forward_int(k: int, shard_dim: int | None = None) -> list[dict[str, Any]]:
+    from torch.distributed.tensor import Shard
+
     from fsdp2.collectives import record_collectives
 
     t = Lockstep("mlp")
-    shard_mlp(t.model, reshard_after_forward=k)
+    kwargs: dict[str, Any] = {"reshard_after_forward": k}
+    if shard_dim is not None:
+        kwargs["shard_placement_fn"] = lambda p: Shard(shard_dim) if p.ndim > 1 else None
+    shard_mlp(t.model, **kwargs)
     t.make_optimizers()
     steps = []
     for step in range(NUM_STEPS):
@@ -99,6 +104,18 @@ def test_reshard_after_forward_int_gathers_within_k_ranks(fsdp2_only: None) -> N
             assert [(label, ws) for _, label, ws, _ in reduce_scatters] == [
                 (label, 4) for label in sorted(GROUPS)
             ]
+
+
+def test_reshard_after_forward_int_with_shard_dim1(fsdp2_only: None) -> None:
+    """The kept W/k chunks of a Shard(1) weight are cut out of the full (contiguous) parameter,
+    not sliced from it: backward must still gather the right values (checked against the
+    reference), with the same collectives as Shard(0)."""
+    for steps, dim0_steps in zip(
+        run_on_ranks(4, _reshard_after_forward_int, 2, 1),
+        run_on_ranks(4, _reshard_after_forward_int, 2),
+        strict=True,
+    ):
+        assert steps == dim0_steps
 
 
 # ---------------------------------------------------------------------------------------------
