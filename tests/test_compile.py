@@ -450,6 +450,17 @@ class TestTracedInProcess(expecttest.TestCase):
             """fsdp2 traced mode does not support CPU offload, found in the fully_shard call on 0 (FSDPLinear); keep the eager hooks for this model and compile each block instead (see docs/compile.md)""",
         )
 
+    def test_unsupported_mixed_dtypes(self) -> None:
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        model[0].requires_grad_(False).to(torch.bfloat16)
+        fsdp2.fully_shard(model)
+        with self.assertRaises(NotImplementedError) as caught:
+            set_traced(model)
+        self.assertExpectedInline(
+            str(caught.exception),
+            """fsdp2 traced mode does not support parameters of several dtypes in one group, found in the fully_shard call on <root> (FSDPSequential); keep the eager hooks for this model and compile each block instead (see docs/compile.md)""",
+        )
+
     def test_unsupported_feature_set_later(self) -> None:
         model = build_model("mlp", MODEL_SEED)
         _shard(model, "mlp", None, "")
