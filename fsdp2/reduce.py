@@ -250,7 +250,8 @@ class GradientReduction:
         shards = []
         start = 0
         for fsdp_param in params:
-            shards.append((fsdp_param, fsdp_param.local_view(out, start).to(fsdp_param.dtype)))
+            shard = fsdp_param.local_view(out, start)
+            shards.append((fsdp_param, shard.to(fsdp_param.dtype) if self.mixed else shard))
             start += fsdp_param.chunk_numel
         return shards
 

@@ -105,20 +105,35 @@ def shard(model: Net, impl: str = "fsdp2", **kwargs: Any) -> None:
 TOLERANCES: dict[str, Tolerance] = {"lora": FP32, "fp64": FP32, "bf16": BF16_TOL}
 
 
-def _parity(kind: str, offload: bool) -> list[float]:
+def _parity(kind: str, offload: bool, no_sync: bool = False) -> list[float]:
     rank, world = dist.get_rank(), dist.get_world_size()
     model, ref = build(kind), build(kind)
     shard(model, **({"offload_policy": CPUOffloadPolicy()} if offload else {}))
     for p in model.parameters():
         assert isinstance(p, DTensor) and p.to_local().is_contiguous()
     assert {p.dtype for p in model.parameters()} == {p.dtype for p in ref.parameters()}
+
+    def sync_last_micro(step: int, micro: int) -> None:  # accumulate unreduced, then reduce
+        model.set_requires_gradient_sync(micro == 1)  # type: ignore[operator]
+
     result = train_side_by_side(
-        model, ref, make_batch, dp_rank=rank, dp_size=world, num_steps=3, tol=TOLERANCES[kind]
+        model,
+        ref,
+        make_batch,
+        dp_rank=rank,
+        dp_size=world,
+        num_steps=3,
+        tol=TOLERANCES[kind],
+        num_micro=2 if no_sync else 1,
+        before_micro=sync_last_micro if no_sync else None,
     )
     labels = ["blocks.0", "blocks.1", "blocks.2"][: len(model.blocks)]
     for records in result.records:
         # Forward gathers every group once, backward the resharded blocks again; one
         # reduce-scatter per group even where its gradients have two dtypes.
+        if no_sync:
+            assert count(records, "reduce_scatter") == {**dict.fromkeys(labels, 1), "": 1}
+            continue
         assert count(records, "all_gather") == {**dict.fromkeys(labels, 2), "": 1}
         assert count(records, "reduce_scatter") == {**dict.fromkeys(labels, 1), "": 1}
     return result.losses
@@ -130,6 +145,12 @@ def _parity(kind: str, offload: bool) -> list[float]:
 def test_mixed_dtype_group_parity(kind: str, offload: bool) -> None:
     losses = run_on_ranks(2, _parity, kind, offload)
     assert losses[0] == losses[1] and losses[0][-1] < losses[0][0], losses
+
+
+@pytest.mark.parametrize("kind", ["lora", "bf16"])
+def test_mixed_dtype_group_accumulation_without_sync(kind: str) -> None:
+    """Micro-steps without sync keep each unreduced gradient in the group's reduce dtype."""
+    run_on_ranks(2, _parity, kind, False, True)
 
 
 def _torch_parity() -> None:
