@@ -10,6 +10,7 @@ the axes on a larger mesh whose other axes (e.g. tensor parallel) fsdp2 leaves a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,17 @@ class MeshInfo:
         for axis in self.shard_axes or ((self.shard_axis,) if self.shard_axis is not None else ()):
             placements[axis] = on_shard_axis
         return tuple(placements)
+
+    def dp_axes_on(self, mesh: DeviceMesh) -> frozenset[int]:
+        """The dims of ``mesh`` (a DTensor parameter's own mesh) that are data-parallel dims
+        of this one: all of them when it is this mesh, those of the same name on a slice of
+        it (``dp_mesh_dims``), none on a mesh joined to it (tensor parallel over a dp slice)."""
+        axes = {*self.shard_axes, self.shard_axis, self.replicate_axis} - {None}
+        if mesh == self.mesh:
+            return frozenset(cast("set[int]", axes))
+        names = self.mesh.mesh_dim_names or ()
+        dp_names = {names[a] for a in cast("set[int]", axes) if a < len(names)}
+        return frozenset(i for i, n in enumerate(mesh.mesh_dim_names or ()) if n in dp_names)
 
 
 def default_mesh() -> DeviceMesh:

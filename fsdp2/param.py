@@ -99,6 +99,8 @@ class FSDPParam:
         """Fix this rank's chunk: ``chunk_numel`` (padded, equal on all ranks) and the real part,
         and the mesh and placements of the sharded DTensor."""
         world, rank, dim = info.shard_size, info.shard_rank, self.dim
+        # Dims of the parameter's own mesh that are data-parallel (see reduce.local_grad).
+        self.dp_axes = info.dp_axes_on(self.outer_spec.mesh) if self.outer_spec else frozenset()
         if len(self.shape) == 0:
             self.mesh, self.placements = sharded_layout(
                 info, self.outer_spec, Replicate(), self.fqn

@@ -16,13 +16,13 @@ from typing import cast
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial
 
 from fsdp2.collectives import Pending, ReduceScatter, all_reduce, reduce_scatter
 from fsdp2.mesh import MeshInfo
 from fsdp2.param import FSDPParam
 
-__all__ = ["GradientReduction", "PendingReduce", "accumulate_grad"]
+__all__ = ["GradientReduction", "PendingReduce", "accumulate_grad", "local_grad"]
 
 
 class PendingReduce:
@@ -73,6 +73,30 @@ def accumulate_grad(fsdp_param: FSDPParam, local: torch.Tensor) -> None:
             f"fsdp2 expected the gradient of {fsdp_param.fqn} to be None or a DTensor, found a "
             f"{type(param.grad).__name__}; assign gradients as DTensors or set them to None"
         )
+
+
+def local_grad(fsdp_param: FSDPParam, grad: torch.Tensor) -> torch.Tensor:
+    """The plain tensor to reduce for an unsharded gradient. A DTensor gradient (tensor
+    parallel) is first laid out as its parameter on the model-parallel dims (e.g. ``Partial``
+    after a row-wise layer is summed over tp), but a ``Partial`` on a data-parallel dim is left
+    alone: its local tensor is this rank's contribution, which the reduce-scatter sums (or
+    averages) over those very ranks. Summing it there first would count it once per rank."""
+    if not isinstance(grad, DTensor):
+        return grad
+    spec = fsdp_param.outer_spec
+    if spec is None:
+        raise AssertionError(
+            f"{fsdp_param.fqn}: expected a DTensor gradient only for a DTensor parameter, "
+            "found one for a plain parameter"
+        )
+    dp_axes = fsdp_param.dp_axes
+    target = tuple(
+        have if axis in dp_axes and isinstance(have, Partial) else want
+        for axis, (have, want) in enumerate(zip(grad.placements, spec.placements, strict=True))
+    )
+    if grad.placements != target:
+        grad = grad.redistribute(spec.mesh, target)
+    return grad._local_tensor
 
 
 class GradientReduction:
@@ -186,15 +210,7 @@ class GradientReduction:
                 continue
             grad = unsharded.grad
             unsharded.grad = None
-            if isinstance(grad, DTensor):
-                spec = fsdp_param.outer_spec
-                if spec is None:
-                    raise AssertionError(
-                        f"{fsdp_param.fqn}: expected a DTensor gradient only for a DTensor parameter, "
-                        "found one for a plain parameter"
-                    )
-                grad = grad.redistribute(spec.mesh, spec.placements)._local_tensor
-            grad = grad.to(self.reduce_dtype)
+            grad = local_grad(fsdp_param, grad).to(self.reduce_dtype)
             if fsdp_param.unreduced is None:
                 fsdp_param.unreduced = grad
             else:
@@ -204,16 +220,8 @@ class GradientReduction:
         unsharded = fsdp_param.unsharded_param
         grad = unsharded.grad
         unsharded.grad = None
-        if isinstance(grad, DTensor):  # tensor parallel: reduce the local piece of the gradient
-            spec = fsdp_param.outer_spec
-            if spec is None:
-                raise AssertionError(
-                    f"{fsdp_param.fqn}: expected a DTensor gradient only for a DTensor parameter, "
-                    "found one for a plain parameter"
-                )
-            if grad.placements != spec.placements:  # e.g. Partial after a row-wise layer
-                grad = grad.redistribute(spec.mesh, spec.placements)
-            grad = grad._local_tensor
+        if grad is not None:
+            grad = local_grad(fsdp_param, grad)
         if fsdp_param.unreduced is not None:  # the sum of earlier micro-steps without sync
             grad = fsdp_param.unreduced if grad is None else fsdp_param.unreduced.add_(grad)
             fsdp_param.unreduced = None
