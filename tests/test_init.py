@@ -369,4 +369,7 @@ class TestHalfConvertedGroupError(expecttest.TestCase):
     def test_gathering_a_half_converted_group_names_both_halves(self) -> None:
         messages = run_on_ranks(2, _half_converted_group_error)
         assert messages[0] == messages[1], "every rank must raise alike"
-        self.assertExpectedInline(messages[0], """fsdp2 group 'blocks.1,ln_f': the parameters weight, bias were replaced (by .to(), to_empty() or load_state_dict(assign=True)) but ln1.weight, ln1.bias, attn.qkv.weight, attn.proj.weight, attn.proj.bias, ln2.weight, ln2.bias, mlp.0.weight, mlp.0.bias, mlp.2.weight, mlp.2.bias were not; the modules of one fully_shard call are gathered together, so convert all of them (e.g. call .to()/to_empty() on their parent)""")
+        self.assertExpectedInline(
+            messages[0],
+            """fsdp2 group 'blocks.1,ln_f': the parameters weight, bias were replaced (by .to(), to_empty() or load_state_dict(assign=True)) but ln1.weight, ln1.bias, attn.qkv.weight, attn.proj.weight, attn.proj.bias, ln2.weight, ln2.bias, mlp.0.weight, mlp.0.bias, mlp.2.weight, mlp.2.bias were not; the modules of one fully_shard call are gathered together, so convert all of them (e.g. call .to()/to_empty() on their parent)""",
+        )
