@@ -193,7 +193,10 @@ class FSDPParam:
             param.register_post_accumulate_grad_hook(self.on_grad_ready)  # type: ignore[no-untyped-call]
             # Holding the AccumulateGrad node keeps it unique, so the engine can be asked
             # whether it will run in a given backward (see FSDPParamGroup.on_grad_ready).
-            self.grad_node = self.unsharded_param.view_as(self.unsharded_param).grad_fn
+            # Grad mode on: the first gather may run under no_grad (evaluation first, or the
+            # forward of a reentrant checkpoint), where the view would have no grad_fn.
+            with torch.enable_grad():
+                self.grad_node = self.unsharded_param.view_as(self.unsharded_param).grad_fn
             if self.grad_node is not None:
                 self.grad_node = self.grad_node.next_functions[0][0]
 

@@ -27,8 +27,10 @@ would bump their version counter and trip autograd's in-place check, so it runs 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
+from typing import ParamSpec, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -48,6 +50,31 @@ from fsdp2.policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from fsdp2.reduce import GradientReduction
 
 __all__ = ["FSDPParamGroup"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _plain_tensors(method: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Run ``method`` outside inference mode and functorch transforms, whatever the caller's
+    mode: the buffers it allocates outlive the call. An inference tensor could never be saved
+    for backward (a job that evaluates before it trains), and a functorch wrapper has no
+    storage to resize (the first gather inside ``torch.func.jvp``)."""
+
+    @functools.wraps(method)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        inference = torch.is_inference_mode_enabled()
+        functorch = torch._C._are_functorch_transforms_active()
+        if not inference and not functorch:  # the common case: no context to enter
+            return method(*args, **kwargs)
+        with contextlib.ExitStack() as stack:
+            if inference:
+                stack.enter_context(torch.inference_mode(False))
+            if functorch:
+                stack.enter_context(torch._C._DisableFuncTorch())
+            return method(*args, **kwargs)
+
+    return wrapper
 
 
 class FSDPParamGroup(GradientReduction):
@@ -274,6 +301,7 @@ class FSDPParamGroup(GradientReduction):
 
     # -- unshard / reshard -----------------------------------------------------------------------
 
+    @_plain_tensors
     def unshard(self) -> None:
         """Start gathering the full parameters (no-op if unsharded or already under way)."""
         if self.state is ShardedState.UNSHARDED or self._gather is not None:
@@ -329,6 +357,7 @@ class FSDPParamGroup(GradientReduction):
         pending = all_gather(out, source, group, self.label, comm)
         self._gather = (pending, out, packing, comm is None)
 
+    @_plain_tensors
     def wait_for_unshard(self) -> None:
         """Finish the gather, if any, and register the unsharded parameters on the modules."""
         if self.state is ShardedState.UNSHARDED:
@@ -405,6 +434,7 @@ class FSDPParamGroup(GradientReduction):
                 src.append(chunk)
         torch._foreach_copy_(dst, src)
 
+    @_plain_tensors
     def reshard(self) -> None:
         """Register the sharded parameters again and free the unsharded storage."""
         if self._gather is not None:  # a prefetch nobody used: let it land before freeing
@@ -417,6 +447,7 @@ class FSDPParamGroup(GradientReduction):
         self._partial = None
         self._free_unsharded()
 
+    @_plain_tensors
     def reshard_partial(self) -> None:
         """Reshard, but keep this rank's block of W/k ranks' chunks so that backward gathers
         within a k-rank group (``reshard_after_forward=k``)."""

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
+
+from fsdp2.tree import map_tensors
 
 __all__ = ["CPUOffloadPolicy", "DataParallelMeshDims", "MixedPrecisionPolicy", "OffloadPolicy"]
 
@@ -89,11 +90,9 @@ def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
 def cast_floats(tree: Any, dtype: torch.dtype) -> Any:
     """``tree`` with every floating-point tensor cast to ``dtype`` (others untouched)."""
 
-    def cast(leaf: Any) -> Any:
-        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dtype != dtype:
+    def cast(leaf: torch.Tensor) -> torch.Tensor:
+        if leaf.is_floating_point() and leaf.dtype != dtype:
             return leaf.to(dtype)
         return leaf
 
-    if isinstance(tree, torch.Tensor):
-        return cast(tree)
-    return tree_map(cast, tree)
+    return map_tensors(cast, tree)

@@ -32,12 +32,12 @@ import torch
 import torch.nn as nn
 from torch._compile import _disable_dynamo
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten
 
 from fsdp2.param import FSDPParam
 from fsdp2.param_group import FSDPParamGroup
 from fsdp2.policies import MixedPrecisionPolicy, cast_floats
 from fsdp2.reduce import PendingReduce, accumulate_grad
+from fsdp2.tree import tensors_in
 
 __all__ = ["FSDPState", "IterContext", "TrainingState"]
 
@@ -309,13 +309,9 @@ class FSDPState:
                 group.reshard()
 
     def _hook_outputs(self, output: Any) -> None:
-        if isinstance(output, torch.Tensor):
-            if output.requires_grad:
-                output.register_hook(self._pre_backward)  # type: ignore[no-untyped-call]
-            return
-        for leaf in tree_flatten(output)[0]:
-            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-                leaf.register_hook(self._pre_backward)  # type: ignore[no-untyped-call]
+        for tensor in tensors_in(output):
+            if tensor.requires_grad:
+                tensor.register_hook(self._pre_backward)  # type: ignore[no-untyped-call]
 
     # -- backward ---------------------------------------------------------------------------------
 
