@@ -133,6 +133,7 @@ class FSDPParamGroup(GradientReduction):
         self.partial_rows = (0, 0)
         self._partial: torch.Tensor | None = None
         self._task = -1  # graph task whose gradients are being counted
+        self.backward_task = -1  # graph task its pre-backward ran in (-1: none this backward)
         self._ready = 0
         self._expected = 0
         self.on_grads_ready: Callable[[], None] = lambda: None  # set by the owning FSDPState

@@ -7,6 +7,14 @@ in a backward, the group asks the autograd engine how many of its parameters' ``
 nodes will run in this graph task; when that many have fired, every gradient the group will get is
 in, and it reduce-scatters them in one collective. Parameters outside this backward's graph are
 not waited for; anything that never fires is caught by the end-of-backward callback.
+
+A reentrant activation checkpoint runs each block's backward as a nested graph task. A group
+whose pre-backward ran in that nested task (its module is inside the block) counts and reduces
+there, as soon as the block is done. A group whose pre-backward ran in the enclosing task (a
+parent holding parameters inside the block and outside it) ignores gradients arriving in nested
+tasks: they accumulate, and its count in its own task, or the end of backward, reduces them all
+at once. Reducing it inside the nested task would reshard parameters that the rest of its
+backward still needs.
 """
 
 from __future__ import annotations
@@ -123,11 +131,16 @@ class GradientReduction:
     requires_all_reduce: bool
     _replica_partial: torch.Tensor | None
     _task: int
+    backward_task: int
     _ready: int
     _expected: int
 
-    def _on_grad_ready(self, _param: torch.Tensor) -> None:
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if param.grad is not None and param.grad.requires_grad:
+            self._refuse_grad_graph(param)
         task = torch._C._current_graph_task_id()
+        if self.backward_task not in (-1, task):
+            return  # a nested graph task inside this group's backward: see the note above
         if task != self._task:
             self._task = task
             self._ready = 0
@@ -139,6 +152,16 @@ class GradientReduction:
         self._ready += 1
         if self._ready == self._expected:
             self.on_grads_ready()
+
+    def _refuse_grad_graph(self, param: torch.Tensor) -> None:
+        fqn = next((p.fqn for p in self.trainable if p.unsharded_param is param), "?")
+        raise RuntimeError(
+            f"fsdp2: backward(create_graph=True) gave {fqn} a gradient that requires grad, but "
+            "the reduce-scatter that shards it is not differentiable, so its higher-order terms "
+            "would be lost. Take higher-order gradients with respect to tensors that are not "
+            "sharded parameters (torch.autograd.grad(loss, inputs, create_graph=True), as in a "
+            "gradient penalty), or compute them on an unsharded copy of the model"
+        )
 
     def has_unreduced_grads(self) -> bool:
         return any(

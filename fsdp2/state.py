@@ -44,6 +44,12 @@ __all__ = ["FSDPState", "IterContext", "TrainingState"]
 logger = logging.getLogger("fsdp2")
 
 
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward on this thread (a forward now is a
+    reentrant checkpoint recomputing, or a hook's own computation)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class TrainingState(Enum):
     """Where a state is in the iteration; shown in ``repr`` and checked by the hooks."""
 
@@ -119,8 +125,12 @@ class IterContext:
             self.reduced.extend(self.in_flight.popleft().finish())
 
     def end_of_backward(self) -> None:
-        """Reduce whatever was not reduced yet, wait for it all, and reshard every group."""
+        """Reduce whatever was not reduced yet, wait for it all, and reshard every group.
+        After a backward with ``create_graph=True`` (grad mode is on in its hooks) the groups
+        stay gathered: the graph it built (a gradient penalty's) uses the unsharded parameters
+        in the next backward, which reshards them."""
         _trace("end_of_backward", "")
+        keep_gathered = torch.is_grad_enabled()
         for group in self.groups:
             if group.reduce_grads_enabled and (
                 group.has_unreduced_grads()
@@ -140,7 +150,8 @@ class IterContext:
         for state in self.states:
             for group in state.groups:
                 group.reduced_in_backward = False
-                if group.reshard_after_backward:
+                group.backward_task = -1
+                if group.reshard_after_backward and not keep_gathered:
                     group.reshard()
             state.training_state = TrainingState.IDLE
         self.callback_queued = False
@@ -154,6 +165,7 @@ class IterContext:
             for group in state.groups:
                 group.drop_unreduced_grads()
                 group.reduced_in_backward = False
+                group.backward_task = -1
                 group.reshard()
             state.training_state = TrainingState.IDLE
         self.callback_queued = False
@@ -243,7 +255,8 @@ class FSDPState:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return args, kwargs  # forward recomputed inside backward (activation checkpointing)
         ctx = self.require_ctx()
-        if self.is_root:
+        recompute = _in_backward()  # a reentrant checkpoint recomputing its forward
+        if self.is_root and not recompute:
             ctx.start_forward()
         if not self.groups:
             return args, kwargs
@@ -266,6 +279,13 @@ class FSDPState:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return output
         grad_enabled = torch.is_grad_enabled()
+        if _in_backward():
+            # Recomputed by a reentrant checkpoint, whose backward comes right after: keep the
+            # parameters gathered for it (the group reshards once its gradients are reduced).
+            self.training_state = TrainingState.IDLE
+            if grad_enabled:
+                self._hook_outputs(output)
+            return output
         if self.groups:
             _trace("post_forward", self.fqn)
             every_member_ran = self._member_ran(module)
@@ -323,7 +343,9 @@ class FSDPState:
             return
         _trace("pre_backward", self.fqn)
         self.training_state = TrainingState.PRE_BACKWARD
+        task = torch._C._current_graph_task_id()
         for group in self.groups:
+            group.backward_task = task
             if group.unshard_in_backward:
                 group.unshard()
         for group in self.groups:
@@ -356,7 +378,7 @@ class FSDPState:
         ctx = self.require_ctx()
         _trace("post_backward", self.fqn)
         ctx.queue_end_of_backward()
-        if group.reshard_after_backward:
+        if group.reshard_after_backward and not torch.is_grad_enabled():
             group.reshard()  # first: the reduction needs only the gradients, not the parameters
         if group.reduce_grads_enabled:
             ctx.add_reduce(group.reduce_grads(), group.max_in_flight)
