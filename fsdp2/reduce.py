@@ -8,13 +8,15 @@ nodes will run in this graph task; when that many have fired, every gradient the
 in, and it reduce-scatters them in one collective. Parameters outside this backward's graph are
 not waited for; anything that never fires is caught by the end-of-backward callback.
 
-A reentrant activation checkpoint runs each block's backward as a nested graph task. A group
-whose pre-backward ran in that nested task (its module is inside the block) counts and reduces
-there, as soon as the block is done. A group whose pre-backward ran in the enclosing task (a
-parent holding parameters inside the block and outside it) ignores gradients arriving in nested
-tasks: they accumulate, and its count in its own task, or the end of backward, reduces them all
-at once. Reducing it inside the nested task would reshard parameters that the rest of its
-backward still needs.
+A reentrant activation checkpoint runs each block's backward as a nested graph task, whose
+engine sees only the block's nodes. The count starts at the group's pre-backward, in the task
+that runs it. If that task will run some of the group's ``AccumulateGrad`` nodes (a parent
+holding parameters both outside checkpointed blocks and inside them), the group claims it and
+ignores gradients arriving in nested tasks: they accumulate, and the claimed task's count (or the
+end of backward) reduces them all at once; reducing inside a nested task would reshard
+parameters the rest of its backward still needs. Otherwise (every parameter inside the block:
+the block is the module, or a checkpoint wraps all of it) each nested task counts and reduces
+as soon as the block is done.
 """
 
 from __future__ import annotations
@@ -142,16 +144,29 @@ class GradientReduction:
         if self.backward_task not in (-1, task):
             return  # a nested graph task inside this group's backward: see the note above
         if task != self._task:
-            self._task = task
-            self._ready = 0
-            self._expected = sum(
+            self._task, self._ready, self._expected = task, 0, self._count_expected()
+        self._ready += 1
+        if self._ready == self._expected:
+            self.on_grads_ready()
+
+    def begin_backward(self) -> None:
+        """At the group's pre-backward: count the gradients this graph task will bring, and
+        claim the task if it brings any (see the note above)."""
+        task = torch._C._current_graph_task_id()
+        self._task, self._ready, self._expected = task, 0, self._count_expected()
+        self.backward_task = task if self._expected else -1
+
+    def _count_expected(self) -> int:
+        try:
+            return sum(
                 torch._C._will_engine_execute_node(p.grad_node)
                 for p in self.trainable
                 if p.grad_node is not None
             )
-        self._ready += 1
-        if self._ready == self._expected:
-            self.on_grads_ready()
+        except RuntimeError:
+            # torch.autograd.grad() asked for an unsharded parameter's gradient: the engine
+            # refuses the question, and runs no AccumulateGrad node for such an input.
+            return 0
 
     def _refuse_grad_graph(self, param: torch.Tensor) -> None:
         fqn = next((p.fqn for p in self.trainable if p.unsharded_param is param), "?")

@@ -343,9 +343,8 @@ class FSDPState:
             return
         _trace("pre_backward", self.fqn)
         self.training_state = TrainingState.PRE_BACKWARD
-        task = torch._C._current_graph_task_id()
         for group in self.groups:
-            group.backward_task = task
+            group.begin_backward()
             if group.unshard_in_backward:
                 group.unshard()
         for group in self.groups:
