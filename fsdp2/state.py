@@ -252,10 +252,12 @@ class FSDPState:
             self._lazy_init()
         if self.input_dtype is not None:
             args, kwargs = cast_floats((args, kwargs), self.input_dtype)
-        if self.training_state is TrainingState.PRE_BACKWARD:
-            return args, kwargs  # forward recomputed inside backward (activation checkpointing)
+        recompute = _in_backward()  # activation checkpointing recomputing the forward
+        if self.training_state is TrainingState.PRE_BACKWARD and recompute:
+            return args, kwargs
+        # PRE_BACKWARD outside backward: left by a backward that raised; the root's
+        # start_forward recovers from it.
         ctx = self.require_ctx()
-        recompute = _in_backward()  # a reentrant checkpoint recomputing its forward
         if self.is_root and not recompute:
             ctx.start_forward()
         if not self.groups:
