@@ -88,9 +88,17 @@ def _adopt_assigned(group: FSDPParamGroup) -> None:
     tie every slot of a shared parameter to one object again, and pack them into the group's
     buffers. ``rebuild`` is a no-op when nothing was replaced."""
     for fsdp_param in group.fsdp_params:
-        owner, name = fsdp_param.slot_modules[0]
-        current = owner._parameters.get(name)
-        if current is None or current is fsdp_param.sharded_param:
+        # Any slot may hold the new object: a tied alias can be loaded after the first name.
+        current = next(
+            (
+                p
+                for owner, name in fsdp_param.slot_modules
+                if (p := owner._parameters.get(name)) is not None
+                and p is not fsdp_param.sharded_param
+            ),
+            None,
+        )
+        if current is None:
             continue
         placements = _dtensor(fsdp_param.sharded_param).placements
         if not isinstance(current, DTensor) or current.placements != placements:
@@ -101,6 +109,11 @@ def _adopt_assigned(group: FSDPParamGroup) -> None:
             )
         fsdp_param.sharded_param = current
         fsdp_param.register(current)
+    # A group spanning several modules (fully_shard([a, b])) gets this hook once per module;
+    # until the last of them is loaded, some parameters are still on meta: pack them then.
+    on_meta = [p.sharded_param.device.type == "meta" for p in group.fsdp_params]
+    if any(on_meta) and not all(on_meta):
+        return
     group.rebuild()
 
 

@@ -162,6 +162,44 @@ def test_load_state_dict_assign(name: str, meta: bool, kind: str, fsdp2_only: No
     run_on_ranks(2, _load_and_train, name, kind, False, True, meta)
 
 
+def _load_like_accelerate() -> None:
+    """accelerate's ``cpu_ram_efficient_loading``: the model is moved to meta, sharded with the
+    tied embedding, its output head and the final norm in one ``fully_shard([...])`` group,
+    then every key gets its own DTensor through ``load_state_dict(assign=True)``."""
+    fully_shard = fsdp_api(IMPL_UNDER_TEST).fully_shard
+    plain = build_model("gpt", MODEL_SEED)
+    model = build_model("gpt", MODEL_SEED + 1).to("meta")
+    model.lm_head.weight = model.wte.weight  # .to("meta") unties; accelerate calls tie_weights()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard([model.ln_f, model.wte, model.lm_head], reshard_after_forward=False)
+    fully_shard(model)
+    full = plain.state_dict()
+    sharded = {
+        key: distribute_tensor(full[key], value.device_mesh, value.placements)
+        for key, value in model.state_dict().items()
+    }
+    model.load_state_dict(sharded, assign=True)
+    if IMPL_UNDER_TEST == "fsdp2":  # (torch re-ties at its lazy init)
+        assert model.lm_head.weight is model.wte.weight, "loading must keep the tie"
+    for block, plain_block in zip(model.blocks, plain.blocks, strict=True):
+        block.attn.causal_mask = plain_block.attn.causal_mask  # non-persistent: in no state dict
+    losses = _train("gpt", model, 3, sharded=True)
+    ref_losses = _train("gpt", plain, 3, sharded=False)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    assert model.lm_head.weight is model.wte.weight, "the tie must survive loading"
+    for (key, p), (_, expected) in zip(
+        model.named_parameters(), plain.named_parameters(), strict=True
+    ):
+        torch.testing.assert_close(p.full_tensor(), expected, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_load_assign_into_meta_group_of_several_modules() -> None:
+    """One group over several modules gets the load hook once per module; the first fires while
+    the others' parameters are still on meta (fsdp2 copied out of meta there)."""
+    run_on_ranks(2, _load_like_accelerate)
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad state dicts: refused whole, before anything is copied
 # ---------------------------------------------------------------------------------------------
