@@ -6,6 +6,7 @@ seam where :func:`record_collectives` observes them (tests count them, benchmark
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -19,9 +20,13 @@ __all__ = [
     "AllGather",
     "CollectiveRecord",
     "Comm",
+    "GroupAllocAllGather",
+    "GroupAllocReduceScatter",
     "LowPrecisionReduceScatter",
     "Pending",
     "ReduceScatter",
+    "SymmMemAllGather",
+    "SymmMemReduceScatter",
     "all_gather",
     "all_reduce",
     "record_collectives",
@@ -40,6 +45,7 @@ class CollectiveRecord:
     input_nbytes: int
     output_nbytes: int
     world_size: int
+    group: str = ""  # the process group's name (``ProcessGroup.group_name``)
 
 
 _recorders: list[list[CollectiveRecord]] = []
@@ -61,10 +67,15 @@ def record_collectives() -> Iterator[list[CollectiveRecord]]:
 
 
 def _record(
-    kind: CollectiveKind, label: str, inp: torch.Tensor, out: torch.Tensor, size: int
+    kind: CollectiveKind, label: str, inp: torch.Tensor, out: torch.Tensor, group: dist.ProcessGroup
 ) -> None:
     record = CollectiveRecord(
-        kind, label, inp.numel() * inp.element_size(), out.numel() * out.element_size(), size
+        kind,
+        label,
+        inp.numel() * inp.element_size(),
+        out.numel() * out.element_size(),
+        group.size(),
+        group.group_name,
     )
     for records in _recorders:
         records.append(record)
@@ -152,12 +163,150 @@ class LowPrecisionReduceScatter(ReduceScatter):
         sent = input_tensor.to(self.comm_dtype)
         received = torch.empty_like(sent)
         if _recorders:
-            _record("all_to_all", "low-precision reduce-scatter", sent, received, world)
+            _record("all_to_all", "low-precision reduce-scatter", sent, received, group)
         dist.all_to_all_single(received, sent, group=group)
         torch.sum(received.view(world, -1), dim=0, dtype=output_tensor.dtype, out=output_tensor)
         if op == dist.ReduceOp.AVG:
             output_tensor.div_(world)
         return None
+
+
+class GroupAllocAllGather(AllGather):
+    """The default all-gather with its output buffer from the process group's own allocator
+    (``FSDPModule.set_allocate_memory_from_process_group_for_comm``): e.g. memory NCCL has
+    registered for zero-copy transfers. Plain memory where the backend has none (gloo)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return _group_allocate(self.group, size, dtype, device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        work: dist.Work | None = _all_gather_single(
+            output_tensor, input_tensor, group=group, async_op=async_op
+        )
+        return work
+
+
+class GroupAllocReduceScatter(ReduceScatter):
+    """The default reduce-scatter with both buffers from the process group's own allocator
+    (see :class:`GroupAllocAllGather`)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return _group_allocate(self.group, size, dtype, device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp.RedOpType,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        work: dist.Work | None = _reduce_scatter_single(
+            output_tensor, input_tensor, op=op, group=group, async_op=async_op
+        )
+        return work
+
+
+def _group_allocate(
+    group: dist.ProcessGroup,
+    size: Sequence[int | torch.SymInt],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    backend = group._get_backend(device)
+    if backend.supports_tensor_alloc(device):
+        numel = math.prod(int(s) for s in size)
+        return backend.allocate_tensor(numel, dtype=dtype, device=device).view(size)
+    return torch.empty(size, dtype=dtype, device=device)
+
+
+class SymmMemAllGather(GroupAllocAllGather):
+    """The default all-gather into a symmetric-memory buffer (CUDA + NCCL only), which lets NCCL
+    use its copy-engine or symmetric-kernel all-gather (``FSDPModule.set_symm_mem_for_comm``)."""
+
+    def __init__(self, group: dist.ProcessGroup, backend: Literal["NCCL"] = "NCCL") -> None:
+        super().__init__(group)
+        _init_symm_mem(group, backend)
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return _symm_mem_empty(size, dtype, device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        symm_mem.rendezvous(output_tensor, group=group.group_name)  # cached per buffer
+        return super().__call__(output_tensor, input_tensor, group, async_op)
+
+
+class SymmMemReduceScatter(GroupAllocReduceScatter):
+    """The default reduce-scatter on symmetric-memory buffers (CUDA + NCCL only). NCCL's
+    symmetric reduce-scatter only sums: installed only with ``set_force_sum_reduction_for_comms``."""
+
+    def __init__(self, group: dist.ProcessGroup, backend: Literal["NCCL"] = "NCCL") -> None:
+        super().__init__(group)
+        _init_symm_mem(group, backend)
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return _symm_mem_empty(size, dtype, device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp.RedOpType,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        symm_mem.rendezvous(input_tensor, group=group.group_name)
+        symm_mem.rendezvous(output_tensor, group=group.group_name)
+        return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+
+def _init_symm_mem(group: dist.ProcessGroup, backend: Literal["NCCL"]) -> None:
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    symm_mem.set_backend(backend)
+    # The first rendezvous needs the NCCL communicator, which NCCL creates lazily: a barrier
+    # creates it now, once, instead of inside the first gather.
+    dist.barrier(group=group)
+
+
+def _symm_mem_empty(
+    size: Sequence[int | torch.SymInt], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    # Buffers come from (and return to) symmetric memory's pool: no new registration per step.
+    with torch.cuda.use_mem_pool(symm_mem.get_mem_pool(device)):
+        return torch.empty(size, dtype=dtype, device=device)
 
 
 def all_gather(
@@ -169,7 +318,7 @@ def all_gather(
 ) -> Pending:
     """Gather every rank's ``inp`` (1-D, same size everywhere) into ``out``, rank-major."""
     if _recorders:
-        _record("all_gather", label, inp, out, group.size())
+        _record("all_gather", label, inp, out, group)
     if comm is not None:
         return Pending(comm(out, inp, group, async_op=True))
     return Pending(_all_gather_single(out, inp, group=group, async_op=True))
@@ -185,7 +334,7 @@ def reduce_scatter(
 ) -> Pending:
     """Reduce ``inp`` (rank-major chunks) over ranks; this rank's chunk lands in ``out``."""
     if _recorders:
-        _record("reduce_scatter", label, inp, out, group.size())
+        _record("reduce_scatter", label, inp, out, group)
     if comm is not None:
         return Pending(comm(out, inp, group, op, async_op=True))
     return Pending(_reduce_scatter_single(out, inp, op=op, group=group, async_op=True))
@@ -196,5 +345,5 @@ def all_reduce(
 ) -> Pending:
     """Reduce ``tensor`` in place over ``group`` (HSDP's replicas, replicate-only training)."""
     if _recorders:
-        _record("all_reduce", label, tensor, tensor, group.size())
+        _record("all_reduce", label, tensor, tensor, group)
     return Pending(dist.all_reduce(tensor, op=op, group=group, async_op=True))

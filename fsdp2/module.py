@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any, NoReturn
+from typing import Any, Literal, NoReturn
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-from fsdp2.collectives import AllGather, ReduceScatter
+from fsdp2.collectives import (
+    AllGather,
+    GroupAllocAllGather,
+    GroupAllocReduceScatter,
+    ReduceScatter,
+    SymmMemAllGather,
+    SymmMemReduceScatter,
+)
 from fsdp2.param_group import FSDPParamGroup
 from fsdp2.state import FSDPState
 from fsdp2.state_dict import check_state_dict
@@ -242,6 +250,83 @@ class FSDPModule:
         """Use ``comm`` (its ``allocate`` for both buffers) for this module's reduce-scatter."""
         for group in self._groups(recurse=False):
             group.custom_reduce_scatter = comm
+
+    def set_separate_reduce_scatter_group(
+        self, enable: bool = True, *, recurse: bool = True
+    ) -> None:
+        """Reduce-scatter gradients on a process group of their own over the same ranks (one
+        per set of ranks), so that a backend running one collective at a time per group can
+        overlap them with all-gathers. Creates groups: every rank must call it alike.
+        ``False``: back to the shard group. (Traced mode does not support it.)"""
+        made: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for group in self._groups(recurse):
+            shard_group = group.info.shard_group
+            if not enable or shard_group is None or group.world == 1:  # nothing to scatter
+                group.reduce_scatter_group = None
+            else:
+                ranks = tuple(dist.get_process_group_ranks(shard_group))
+                if ranks not in made:
+                    made[ranks] = group.reduce_scatter_group or dist.new_group(
+                        list(ranks), use_local_synchronization=True, group_desc="fsdp2_rs"
+                    )
+                group.reduce_scatter_group = made[ranks]
+            comm = group.custom_reduce_scatter
+            if isinstance(comm, GroupAllocReduceScatter):  # allocate from the group it runs on
+                group.custom_reduce_scatter = type(comm)(group.reduce_scatter_group or shard_group)  # type: ignore[arg-type]
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Allocate this module's all-gather and reduce-scatter buffers with the process group's
+        own allocator, where its backend has one (NCCL: registered memory for zero-copy
+        transfers); gloo has none, so on CPU this changes nothing. Not combinable with
+        ``set_custom_all_gather``/``set_custom_reduce_scatter``."""
+        groups = [g for g in self._groups(recurse=False) if g.info.shard_group is not None]
+        _check_no_user_comms(groups, "set_allocate_memory_from_process_group_for_comm")
+        for group in groups:
+            shard_group = group.info.shard_group
+            rs_group = group.reduce_scatter_group or shard_group
+            assert shard_group is not None and rs_group is not None  # filtered above
+            group.custom_all_gather = GroupAllocAllGather(shard_group) if enable else None
+            group.custom_reduce_scatter = GroupAllocReduceScatter(rs_group) if enable else None
+
+    def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
+        """All-gather into symmetric memory (CUDA + NCCL only), so that NCCL may use its
+        copy-engine or symmetric-kernel all-gather; the reduce-scatter too if
+        ``set_force_sum_reduction_for_comms(True)`` was set (NCCL's only sums). Raises on other
+        devices and backends. Not combinable with custom collectives."""
+        if backend != "NCCL":
+            raise ValueError(f"set_symm_mem_for_comm supports backend='NCCL' only, got {backend!r}")
+        groups = [g for g in self._groups(recurse=False) if g.info.shard_group is not None]
+        _check_no_user_comms(groups, "set_symm_mem_for_comm")
+        for group in groups:
+            pg_backend = str(dist.get_backend(group.info.shard_group))
+            if group.device.type != "cuda" or "nccl" not in pg_backend:
+                raise RuntimeError(
+                    f"set_symm_mem_for_comm: '{group.label}' communicates on {group.device.type} "
+                    f"through {pg_backend}, but symmetric memory needs CUDA devices and an NCCL "
+                    "process group. Call it only when training on CUDA with NCCL"
+                )
+        for group in groups:
+            shard_group = group.info.shard_group
+            rs_group = group.reduce_scatter_group or shard_group
+            assert shard_group is not None and rs_group is not None  # filtered above
+            group.custom_all_gather = SymmMemAllGather(shard_group, backend)
+            if group.force_sum_reduction:
+                group.custom_reduce_scatter = SymmMemReduceScatter(rs_group, backend)
+
+
+def _check_no_user_comms(groups: list[FSDPParamGroup], method: str) -> None:
+    """``method`` installs fsdp2's own collectives: refuse to replace the user's."""
+    for group in groups:
+        for comm in (group.custom_all_gather, group.custom_reduce_scatter):
+            if comm is not None and not isinstance(
+                comm, (GroupAllocAllGather, GroupAllocReduceScatter)
+            ):
+                raise RuntimeError(
+                    f"{method}: '{group.label}' uses a custom collective "
+                    f"({type(comm).__name__}, from set_custom_all_gather or "
+                    "set_custom_reduce_scatter), which allocates its own buffers; "
+                    "use one or the other"
+                )
 
 
 def _groups_of(modules: list[FSDPModule], direction: str) -> list[FSDPParamGroup]:

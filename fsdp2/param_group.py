@@ -150,6 +150,7 @@ class FSDPParamGroup(GradientReduction):
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         self.custom_all_gather: AllGather | None = None
         self.custom_reduce_scatter: ReduceScatter | None = None
+        self.reduce_scatter_group: dist.ProcessGroup | None = None  # None: the shard group
         self.max_in_flight = 1  # reduce-scatters (and their input buffers) alive at once
         self.requires_all_reduce = True  # only meaningful with a replicate axis (HSDP)
         self.stale = False  # some parameters replaced, not yet re-packed (see rebuild)

@@ -130,6 +130,7 @@ class GradientReduction:
     reduce_scatter_unused: bool
     all_reduce_hook: Callable[[torch.Tensor], None] | None
     custom_reduce_scatter: ReduceScatter | None
+    reduce_scatter_group: dist.ProcessGroup | None  # set_separate_reduce_scatter_group
     requires_all_reduce: bool
     _replica_partial: torch.Tensor | None
     _task: int
@@ -230,11 +231,12 @@ class GradientReduction:
         torch._chunk_cat(grads, dim=0, num_chunks=self.world, out=inp)  # casts to reduce_dtype
         grads.clear()  # copied: free them before the collective allocates its own buffers
         op = dist.ReduceOp.SUM if use_sum else dist.ReduceOp.AVG
-        if self.info.shard_group is None:
+        group = self.reduce_scatter_group or self.info.shard_group
+        if group is None:
             raise AssertionError(
                 f"reduce_grads '{self.label}': expected a shard group to reduce over, found None"
             )
-        pending = reduce_scatter(out, inp.view(-1), self.info.shard_group, self.label, op, comm)
+        pending = reduce_scatter(out, inp.view(-1), group, self.label, op, comm)
         return PendingReduce(self, pending, out, params, inp, use_sum, free_input=comm is None)
 
     def stash_grads(self) -> None:

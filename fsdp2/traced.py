@@ -253,6 +253,8 @@ def _unsupported(state: FSDPState) -> list[str]:
         found.append("reshard_after_forward=<int>")
     if group.custom_all_gather is not None or group.custom_reduce_scatter is not None:
         found.append("custom collectives")
+    if group.reduce_scatter_group is not None:
+        found.append("set_separate_reduce_scatter_group")
     if group.all_reduce_hook is not None:
         found.append("an all-reduce hook")
     if not group.reduce_grads_enabled:

@@ -8,6 +8,7 @@ pinned error message must name the module (or parameter) and say how to fix it.
 from __future__ import annotations
 
 import copy
+import inspect
 import unittest
 from collections.abc import Callable
 from typing import Any
@@ -46,6 +47,41 @@ def small_sequential() -> nn.Sequential:
     return nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
 
 
+def _signature_problems(what: str, theirs: Any, ours: Any) -> list[str]:
+    if not callable(theirs) or isinstance(theirs, type):
+        theirs = getattr(theirs, "__init__", None) if isinstance(theirs, type) else None
+        ours = getattr(ours, "__init__", None)
+        if theirs is None or theirs is object.__init__:
+            return []  # no constructor of its own: any is a superset
+    try:
+        want = inspect.signature(theirs).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return []
+    have = inspect.signature(ours).parameters
+    problems = []
+    for i, (pname, param) in enumerate(want.items()):
+        mine = have.get(pname)
+        if mine is None:
+            problems.append(f"{what}: no parameter {pname!r}")
+        elif mine.kind != param.kind or repr(mine.default) != repr(param.default):
+            problems.append(f"{what}({pname}): {mine} where torch has {param}")
+        elif param.kind is param.POSITIONAL_OR_KEYWORD and list(have).index(pname) != i:
+            problems.append(f"{what}({pname}): at position {list(have).index(pname)}, not {i}")
+    for pname, mine in have.items():
+        if (
+            pname not in want
+            and mine.default is mine.empty
+            and mine.kind
+            in (
+                mine.POSITIONAL_OR_KEYWORD,
+                mine.KEYWORD_ONLY,
+                mine.POSITIONAL_ONLY,
+            )
+        ):
+            problems.append(f"{what}: extra required parameter {pname!r}")
+    return problems
+
+
 class TestAPI(expecttest.TestCase):
     @classmethod
     def setUpClass(cls) -> None:
@@ -68,6 +104,30 @@ class TestAPI(expecttest.TestCase):
             "register_fsdp_forward_method",
         }
         self.assertLessEqual(expected, set(dir(api)))
+
+    def test_signatures_match_torch(self) -> None:
+        """Every public name of torch's FSDP2, every public member of its classes, with
+        signatures that accept every call torch's accept (same parameter names, kinds and
+        defaults; any extra parameter optional)."""
+        import torch.distributed.fsdp._fully_shard as torch_fsdp2
+
+        problems = []
+        for name in torch_fsdp2.__all__:
+            theirs, ours = getattr(torch_fsdp2, name), getattr(api, name, None)
+            if ours is None:
+                problems.append(f"{name}: missing")
+                continue
+            problems += _signature_problems(name, theirs, ours)
+            if not isinstance(theirs, type):
+                continue
+            for member in sorted(m for m in dir(theirs) if not m.startswith("_")):
+                if not hasattr(ours, member):
+                    problems.append(f"{name}.{member}: missing")
+                    continue
+                problems += _signature_problems(
+                    f"{name}.{member}", getattr(theirs, member), getattr(ours, member)
+                )
+        self.assertEqual(problems, [])
 
     def test_printed_model(self) -> None:
         model = small_sequential()
