@@ -107,13 +107,20 @@ def _adopt_assigned(group: FSDPParamGroup) -> None:
                 f"with placements {getattr(current, 'placements', None)}; expected a DTensor "
                 f"with placements {placements}"
             )
+        owner, name = fsdp_param.slot_modules[0]
+        if (
+            owner._parameters.get(name) is fsdp_param.sharded_param
+            and group._packed(fsdp_param)
+            and fsdp_param.sharded_param.device.type != "meta"
+        ):
+            # A tied alias loaded after the name already adopted and packed: keep the packed
+            # object, take the values, and tie the alias back to it.
+            with torch.no_grad():
+                _dtensor(fsdp_param.sharded_param)._local_tensor.copy_(current._local_tensor)
+            fsdp_param.register(fsdp_param.sharded_param)
+            continue
         fsdp_param.sharded_param = current
         fsdp_param.register(current)
-    # A group spanning several modules (fully_shard([a, b])) gets this hook once per module;
-    # until the last of them is loaded, some parameters are still on meta: pack them then.
-    on_meta = [p.sharded_param.device.type == "meta" for p in group.fsdp_params]
-    if any(on_meta) and not all(on_meta):
-        return
     group.rebuild()
 
 

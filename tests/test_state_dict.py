@@ -196,7 +196,8 @@ def _load_like_accelerate() -> None:
 
 def test_load_assign_into_meta_group_of_several_modules() -> None:
     """One group over several modules gets the load hook once per module; the first fires while
-    the others' parameters are still on meta (fsdp2 copied out of meta there)."""
+    the others' parameters are still on meta, and the tied alias (lm_head) is assigned its own
+    new object after the group was packed: it must end up tied to the packed parameter."""
     run_on_ranks(2, _load_like_accelerate)
 
 
