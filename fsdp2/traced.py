@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -169,6 +169,14 @@ def _gather(group: FSDPParamGroup, *shards: torch.Tensor) -> list[torch.Tensor]:
                 run_check=False,
                 shape=spec.shape,
                 stride=spec.stride,
+                # On data-parallel dims (dp_mesh_dims), a Partial gradient is this rank's
+                # contribution: the reduce-scatter sums it, as eager mode does (reduce.
+                # local_grad); normalising it to Replicate here would all-reduce it first.
+                # (A Replicate gradient there is split evenly, DTensor's rule.)
+                grad_placements=tuple(
+                    Partial() if axis in fsdp_param.dp_axes else p
+                    for axis, p in enumerate(spec.placements)
+                ),
             )
         fulls.append(full)
     return fulls

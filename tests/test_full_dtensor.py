@@ -91,7 +91,9 @@ def distribute(model: Net, mesh: DeviceMesh, dims: DataParallelMeshDims, tp: boo
     )
 
 
-def _train(layout: str, impl: str, knob: str | None) -> list[float]:
+def _train(
+    layout: str, impl: str, knob: str | None, traced: bool = False, compiled: bool = False
+) -> list[float]:
     shape, names, dims, tp = LAYOUTS[layout]
     mesh = full_mesh(shape, names)
     torch.manual_seed(0)
@@ -108,6 +110,13 @@ def _train(layout: str, impl: str, knob: str | None) -> list[float]:
     api = fsdp_api(impl)
     api.fully_shard(model.fc1, **kwargs)
     api.fully_shard(model, **kwargs)
+    if traced:  # the reduce-scatter as autograd's, through DTensor.from_local's backward
+        from fsdp2.traced import set_traced
+
+        set_traced(model)
+    if compiled:
+        torch._dynamo.reset()  # rank processes outlive tests
+        model = torch.compile(model, backend="aot_eager", fullgraph=True)  # type: ignore[assignment]
     dp_rank, dp_size = 0, 1  # over the data-parallel dims, in mesh order (as the input)
     for name in names:
         if name in (*dims.replicate_names, *dims.shard_names):
@@ -138,4 +147,16 @@ def _train(layout: str, impl: str, knob: str | None) -> list[float]:
 def test_partial_gradients_parity(layout: str, knob: str | None, impl: str) -> None:
     world = torch.Size(LAYOUTS[layout][0]).numel()
     results = run_on_ranks(world, _train, layout, impl, knob, timeout=120)
+    assert all(losses == results[0] for losses in results)
+
+
+@pytest.mark.parametrize(
+    ("layout", "compiled"), [("fsdp_tp", False), ("hsdp", False), ("fsdp_tp", True)]
+)
+def test_partial_gradients_traced_parity(layout: str, compiled: bool) -> None:
+    """Traced mode: the reduce-scatter is autograd's, behind ``DTensor.from_local``, and
+    compiled (where a gradient hook would silently not run) the same."""
+    results = run_on_ranks(
+        4, _train, layout, "fsdp2", None, traced=True, compiled=compiled, timeout=300
+    )
     assert all(losses == results[0] for losses in results)
