@@ -220,7 +220,9 @@ def sharded_layout(
                 )
         mesh = info.mesh
         if len(info.shard_axes) > 1:
-            if any(p == inner for p in placements):
+            if isinstance(inner, Shard) and any(
+                isinstance(p, (Shard, _StridedShard)) and p.dim == inner.dim for p in placements
+            ):
                 raise NotImplementedError(
                     f"{fqn}: tensor parallelism already splits it as {inner!r}, and nesting "
                     "that under several flattened data-parallel dims is not supported; shard "

@@ -26,10 +26,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdp2.extension import has_extension
 from fsdp2.mesh import MeshInfo, sharded_layout
+from fsdp2.nested import dp_rows_mismatch, piece_sizes
 
 if TYPE_CHECKING:
     from fsdp2.param_group import FSDPParamGroup
@@ -111,19 +111,29 @@ class FSDPParam:
             self.row_start = self.chunk_rows = 0
             return
         self.mesh, self.placements = sharded_layout(info, self.outer_spec, Shard(dim), self.fqn)
-        strided = any(isinstance(pl, _StridedShard) for pl in self.placements)
-        rows = self.shape[dim]
-        if len(info.shard_axes) > 1 and rows % world:
+        # Errors are decided from global sizes (every rank alike), never this rank's piece.
+        size = self.global_shape[dim]
+        if len(info.shard_axes) > 1 and size % world:  # no other split of dim (sharded_layout)
             raise NotImplementedError(
-                f"{self.fqn}: dim {dim} of size {rows} does not split evenly over the {world} "
+                f"{self.fqn}: dim {dim} of size {size} does not split evenly over the {world} "
                 "ranks of the flattened data-parallel dims; uneven sizes need one shard dim"
             )
-        if strided and rows % world:
-            raise NotImplementedError(
-                f"{self.fqn}: tensor parallelism and fsdp2 both split dim {dim}, and its local "
-                f"size {rows} is not divisible by the {world} data-parallel ranks; that uneven "
-                "nesting is not supported. Pad the dimension or shard another one"
+        if (
+            self.outer_spec is not None
+            and info.shard_axis is not None
+            and dp_rows_mismatch(
+                size, dim, tuple(self.mesh.shape), self.placements, info.shard_axis
             )
+        ):
+            pieces = sorted(self.piece_sizes(), reverse=True)
+            raise NotImplementedError(
+                f"{self.fqn}: tensor parallelism splits dim {dim} (size {size}) into pieces of "
+                f"{pieces} rows and fsdp2 splits each again over {world} data-parallel ranks; "
+                f"DTensor's {self.placements} would place these uneven rows elsewhere. Make "
+                f"the size divisible by {world} x the tensor-parallel degree, or shard another "
+                "dim with shard_placement_fn"
+            )
+        rows = self.shape[dim]
         rest = [size for i, size in enumerate(self.shape) if i != dim]
         chunk_rows = -(-rows // world)
         local_rows = min(max(rows - rank * chunk_rows, 0), chunk_rows)
@@ -134,6 +144,16 @@ class FSDPParam:
         local_shape[dim] = local_rows
         self.local_shape = tuple(local_shape)
         self.row_start = min(rank * chunk_rows, rows)
+
+    def piece_sizes(self) -> frozenset[int]:
+        """The size of the sharded dim of every rank's local piece (tensor parallelism may
+        leave pieces of different sizes): a global fact, the same on every rank."""
+        if not self.shape:
+            return frozenset()  # a scalar is not split
+        size, spec = self.global_shape[self.dim], self.outer_spec
+        if spec is None:
+            return frozenset({size})
+        return piece_sizes(size, self.dim, tuple(spec.mesh.shape), tuple(spec.placements))
 
     def param_order(self, layout: torch.Tensor) -> torch.Tensor:
         """A view of a tensor in layout order (sharded dim first) in the parameter's order."""

@@ -112,7 +112,7 @@ class FSDPParamGroup(GradientReduction):
             fsdp_param.plan(info)
         self._set_dtypes()
         # Decided from shapes, not this rank's shard, so that every rank raises alike.
-        uneven = [p.fqn for p in self.ext_params if p.shape and p.shape[p.dim] % self.world]
+        uneven = [p.fqn for p in self.ext_params if any(n % self.world for n in p.piece_sizes())]
         if uneven:
             raise NotImplementedError(
                 f"{', '.join(uneven)}: all-gather extension parameters must split evenly over "
