@@ -11,18 +11,22 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import expecttest
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from fsdp2.mesh import MeshInfo
+from fsdp2.param import FSDPParam
 from tests.dp_parity import Tolerance, full, train_side_by_side
-from tests.harness import fsdp_api, run_on_ranks
+from tests.errors import raised
+from tests.harness import fsdp_api, init_local_process_group, run_on_ranks
 from tests.models import Batch
 
 IN, HIDDEN = 9, 27  # HIDDEN over tp=2: pieces of 14 and 13 rows, neither divisible by dp=2
@@ -121,3 +125,33 @@ def test_uneven_nesting_matches_dtensor() -> None:
                 assert found == (ours != theirs), (rows, tp, dp)
                 mismatches += found
     assert mismatches > 0  # the check has cases to catch (e.g. 7 rows, tp=2, dp=3)
+
+
+class TestUnevenNestingError(expecttest.TestCase):
+    @classmethod
+    def setUpClass(cls) -> None:
+        init_local_process_group()
+
+    def test_refused_on_a_rank_whose_own_piece_splits_evenly(self) -> None:
+        """7 rows over tp=2 (pieces of 4 and 3), then dp=3: DTensor cannot describe it. This
+        rank sits at (dp 0, tp 1) of a 6-rank (dp, tp) mesh (built without process groups):
+        its own piece of 3 rows splits evenly, yet it must refuse like the others, or they
+        would wait for it in the next collective."""
+        ranks = torch.tensor([[1, 0], [3, 2], [5, 4]])
+        mesh = DeviceMesh("cpu", ranks, mesh_dim_names=("dp", "tp"), _init_backend=False)
+        info = MeshInfo(mesh, 0, None, None, 3, 0, None, 1)
+        model = nn.Linear(3, 7)
+        piece = DTensor.from_local(
+            torch.zeros(3, 3),
+            mesh,
+            [Replicate(), Shard(0)],
+            run_check=False,
+            shape=(7, 3),
+            stride=(3, 1),
+        )
+        model.weight = nn.Parameter(piece)
+        param = FSDPParam(model.weight, [(model, "weight")], "weight", "Linear")
+        self.assertExpectedInline(
+            raised(lambda: param.plan(info)),
+            """NotImplementedError: weight: tensor parallelism splits dim 0 (size 7) into pieces of [4, 3] rows and fsdp2 splits each again over 3 data-parallel ranks; DTensor's (_StridedShard(dim=0, sf=2), Shard(dim=0)) would place these uneven rows elsewhere. Make the size divisible by 3 x the tensor-parallel degree, or shard another dim with shard_placement_fn""",
+        )
