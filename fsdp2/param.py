@@ -24,8 +24,10 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.utils import dlpack
 
 from fsdp2.extension import has_extension
 from fsdp2.mesh import MeshInfo, sharded_layout
@@ -166,7 +168,8 @@ class FSDPParam:
     def init_sharded(self, flat: torch.Tensor, info: MeshInfo, full: torch.Tensor | None) -> None:
         """Make the sharded parameter view its chunk of ``flat``, filled with this rank's rows of
         ``full``, or (``full=None``) with the current sharded parameter's values."""
-        local = typed(flat, self.offset, self.local_numel, self.dtype).view(self.local_shape)
+        local = own_storage(typed(flat, self.offset, self.local_numel, self.dtype))
+        local = local.view(self.local_shape)
         if self.subclass is not None:
             local = local.as_subclass(self.subclass)  # same storage, the user's subclass
         if full is None:
@@ -225,8 +228,9 @@ class FSDPParam:
             params[name] = param
 
     def local_view(self, flat: torch.Tensor, start: int) -> torch.Tensor:
-        """This rank's real rows inside a rank-local buffer where the chunk begins at ``start``."""
-        return flat[start : start + self.local_numel].view(self.local_shape)
+        """This rank's real rows inside a rank-local buffer where the chunk begins at ``start``,
+        as a tensor with a storage of its own (see ``own_storage``)."""
+        return own_storage(flat[start : start + self.local_numel]).view(self.local_shape)
 
     def rank_blocks(
         self, full: torch.Tensor, chunks: torch.Tensor
@@ -267,6 +271,19 @@ class FSDPParam:
             chunk.copy_(whole)
         return chunks
 
+    def in_buffer(self, flat: torch.Tensor) -> bool:
+        """Whether the sharded parameter's local tensor is still its chunk of ``flat`` (and not
+        a tensor ``module.to(...)``, ``to_empty`` or ``load_state_dict(assign=True)`` put in its
+        place). Its storage is its own (see ``own_storage``), so compare addresses; except on
+        meta and fake tensors, which share ``flat``'s storage and all have address 0."""
+        local = self.sharded_param._local_tensor  # type: ignore[attr-defined]
+        if local.dtype != self.dtype or local.device != flat.device:  # (a mixed group's is bytes)
+            return False
+        if flat.device.type == "meta" or is_fake(flat):
+            return bool(local.untyped_storage()._cdata == flat.untyped_storage()._cdata)
+        chunk = typed(flat, self.offset, self.local_numel, self.dtype)
+        return bool(local.data_ptr() == chunk.data_ptr())
+
     def make_grad(self, local: torch.Tensor) -> DTensor:
         """A gradient with the sharded parameter's placement, wrapping ``local`` without a copy.
         (A new wrapper each time, about 1.5 us: keeping one to reuse would keep the previous
@@ -276,3 +293,22 @@ class FSDPParam:
 
     def __repr__(self) -> str:
         return f"FSDPParam({self.fqn}, shape={tuple(self.shape)}, chunk={self.chunk_numel})"
+
+
+def own_storage(piece: torch.Tensor) -> torch.Tensor:
+    """``piece`` (a 1-D slice of a flat buffer) as a tensor whose storage is exactly its bytes of
+    the buffer's memory, and which keeps the buffer alive.
+
+    The shards and gradients users hold must not look like views of the group's buffer. What
+    walks storages would see all of it: ``torch.save`` and pickle of one tensor write every
+    parameter of the group, and libraries that find tied weights by storage (transformers'
+    ``id_tensor_storage``) would take every parameter for a copy of every other. And a DTensor
+    takes its ``storage_offset`` from its local tensor, so one wrapping a slice at a nonzero
+    offset has a nonzero ``data_ptr()`` on its data-less storage; torch's pickling and
+    ``deepcopy`` then read that storage as real ("invalid python storage"). A DLPack round
+    trip makes the storage without a copy. Meta and fake tensors have no memory to share.
+    """
+    if piece.device.type == "meta" or is_fake(piece):
+        return piece
+    raw = dlpack.from_dlpack(dlpack.to_dlpack(piece.view(torch.uint8)))  # type: ignore[attr-defined]
+    return raw.view(piece.dtype)

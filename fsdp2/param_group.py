@@ -277,14 +277,8 @@ class FSDPParamGroup(GradientReduction):
         self.stale = False
 
     def _packed(self, fsdp_param: FSDPParam) -> bool:
-        """Whether the sharded parameter still views this group's flat shard."""
-        local = fsdp_param.sharded_param._local_tensor  # type: ignore[attr-defined]
-        flat = self.sharded_flat
-        # Storage identity, not data_ptr: every meta tensor's data_ptr is 0.
-        return bool(
-            local.untyped_storage()._cdata == flat.untyped_storage()._cdata
-            and local.dtype == fsdp_param.dtype  # not flat's: a mixed group's flat is bytes
-        )
+        """Whether the sharded parameter still lives in this group's flat shard."""
+        return fsdp_param.in_buffer(self.sharded_flat)
 
     def _repack_if_stale(self) -> None:
         """Before a gather: finish a deferred re-pack, or refuse to gather stale buffers."""

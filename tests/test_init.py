@@ -134,13 +134,19 @@ class LiveBytes(TorchDispatchMode):
         return out
 
     def current(self) -> int:
-        total = 0
+        """Bytes of memory behind the live storages, each byte once: fsdp2's shards have
+        storages of their own that lie inside their group's flat buffer."""
+        spans = []
         for key, ref in list(self._live.items()):
             storage = ref()
             if storage is None:
                 del self._live[key]
             else:
-                total += storage.nbytes()
+                spans.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+        total, end = 0, 0
+        for lo, hi in sorted(spans):
+            total += max(hi - max(lo, end), 0)
+            end = max(end, hi)
         return total
 
 
