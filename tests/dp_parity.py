@@ -25,6 +25,7 @@ from torch.func import functional_call
 from fsdp2.collectives import CollectiveRecord, record_collectives
 from tests.models import Batch
 from tests.parity import adamw
+from tests.tolerance import FP32_ATOL, FP32_RTOL, PARAM_ATOL
 
 MakeBatch = Callable[[torch.Generator, int], Batch]
 LOCAL_BATCH = 4
@@ -33,10 +34,10 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 @dataclass(frozen=True, kw_only=True)
 class Tolerance:
-    rtol: float = 1e-5
-    atol: float = 1e-6
-    """For losses and gradients."""
-    param_atol: float = 1e-5
+    rtol: float = FP32_RTOL
+    atol: float = FP32_ATOL
+    """For losses and gradients (see tests/tolerance.py)."""
+    param_atol: float = PARAM_ATOL
     """For parameters after training: Adam turns gradient rounding noise into update noise."""
     normwise: bool = False
     """Compare ``|actual - expected| <= atol + rtol |expected|`` over whole tensors (2-norms)
@@ -49,7 +50,9 @@ FP32 = Tolerance()
 # the global batch by a few bf16 ulps, and sums with cancellation (a LayerNorm weight's gradient)
 # have large per-element relative errors: compare whole tensors.
 BF16_TOL = Tolerance(rtol=2e-2, atol=1e-6, param_atol=1e-6, normwise=True)
-# A reference that does the very same arithmetic (see cast_forward) must match exactly.
+# A reference that does the very same arithmetic (see cast_forward) must match exactly. Only
+# with 2 data-parallel ranks: a sum of two gradients is the same in either order, and halving
+# (the mean) is exact in binary; with more ranks the collective's summation order is its own.
 SAME_ARITHMETIC = Tolerance(rtol=0, atol=0, param_atol=0)
 
 

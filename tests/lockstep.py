@@ -26,10 +26,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.harness import fsdp_api
 from tests.models import MODELS, Batch
+from tests.tolerance import FP32_ATOL, FP32_RTOL
 
 SEED = 1234
 LR = 0.1
-RTOL, ATOL = 1e-5, 1e-6
+RTOL, ATOL = FP32_RTOL, FP32_ATOL  # see tests/tolerance.py
 LOCAL_BATCH = 4
 
 MakeBatch = Callable[[torch.Generator, int], Batch]

@@ -30,6 +30,7 @@ if __package__ in (None, ""):  # run as a script by torchrun: make `tests` impor
 
 from tests.harness import fsdp_api
 from tests.models import MODELS, Batch, build_model, make_batch
+from tests.tolerance import FP32_ATOL, FP32_RTOL, PARAM_ATOL
 
 MODEL_SEED = 1234
 LR, WEIGHT_DECAY = 1e-2, 0.1
@@ -59,10 +60,10 @@ class ParityConfig:
     corrupt: Literal["grad", "param"] | None = None
     """Self-test of this check: add 1e-3 to one element of the last rank's shard of the first
     gradient (before the comparison) or of the last parameter (after the last step)."""
-    rtol: float = 1e-5
-    atol: float = 1e-6
-    """Tolerance for losses and gradients."""
-    param_atol: float = 1e-5
+    rtol: float = FP32_RTOL
+    atol: float = FP32_ATOL
+    """Tolerance for losses and gradients (see tests/tolerance.py)."""
+    param_atol: float = PARAM_ATOL
     """Parameters after training: 1e-3 of one lr step of slack for the noise Adam amplifies."""
 
 

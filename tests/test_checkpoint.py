@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from tests.harness import IMPL_UNDER_TEST, fsdp_api, run_on_ranks
 from tests.models import GPT, GPT_SEQ, build_model
 from tests.parity import MODEL_SEED, ParityConfig, adamw, shard_model, train_global_batches
+from tests.tolerance import assert_fp32_close
 
 NAME = "gpt"  # tied embedding/head weights, buffers, five fully_shard groups
 SAVE_WORLD_SIZE = 2
@@ -118,7 +119,7 @@ def _check_losses(losses: list[float], expected: list[float], world_size: int) -
     if world_size == SAVE_WORLD_SIZE:
         assert losses == expected  # the same computation, resumed: bitwise
     else:
-        torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
+        assert_fp32_close(losses, expected)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,7 +191,7 @@ def test_full_state_dict_loads_into_a_plain_model(saved: dict[str, Any]) -> None
     set_optimizer_state_dict(plain, optim, full["optim"], options=FULL)
     assert optim.state_dict()["state"][0]["step"] == STEPS_BEFORE
     losses = _train(plain, optim, RESUMED_STEPS, sharded=False)
-    torch.testing.assert_close(losses, saved["losses"], rtol=1e-5, atol=1e-6)
+    assert_fp32_close(losses, saved["losses"])
 
 
 def _broadcast_resume(full_file: str, on_meta: bool) -> dict[str, Any]:

@@ -31,6 +31,7 @@ import fsdp2
 from fsdp2.traced import set_traced
 from tests.harness import init_local_process_group, run_on_ranks
 from tests.models import MODELS, build_model, make_batch
+from tests.tolerance import assert_fp32_close
 
 pytestmark = pytest.mark.usefixtures("fsdp2_only")
 
@@ -437,7 +438,7 @@ class TestTracedInProcess(expecttest.TestCase):
             grads.append([p.grad.to_local().clone() for p in model.parameters()])
             model.zero_grad()
         for traced_grad, hooked_grad in zip(*grads, strict=True):
-            torch.testing.assert_close(traced_grad, hooked_grad)
+            assert_fp32_close(traced_grad, hooked_grad)
 
     def test_unsupported_feature(self) -> None:
         model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))

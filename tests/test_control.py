@@ -28,6 +28,7 @@ from tests.errors import error_text
 from tests.harness import IMPL_UNDER_TEST, fsdp_api, run_on_ranks
 from tests.lockstep import CollectiveCounter, Lockstep, fsdp_modules, full, shard_mlp
 from tests.models import MLP_DIM, MLP_IN, MLP_OUT, Batch
+from tests.tolerance import PARAM_ATOL, assert_fp32_close
 
 # MLPStack's groups, in forward order: the root (its head), then one per block.
 GROUPS = ["", "blocks.0", "blocks.1", "blocks.2"]
@@ -142,7 +143,7 @@ def _explicit_unshard() -> list[dict[str, Any]]:
         # The gathered parameters are registered: plain tensors holding the full values.
         weight = block[0].weight
         assert not isinstance(weight, DTensor), type(weight)
-        torch.testing.assert_close(weight.detach(), ref_block[0].weight.detach())
+        assert_fp32_close(weight.detach(), ref_block[0].weight.detach(), atol=PARAM_ATOL)
         with record_collectives() as forward:
             loss = t.model(*t.local(step))
         # The root keeps its parameters after forward; freeing them now means regathering them.
@@ -672,7 +673,7 @@ def _forward_method() -> None:
         with torch.no_grad():
             tokens, logits = t.model.generate(prompt, 4)
             ref_tokens, ref_logits = t.ref.generate(prompt, 4)
-        torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-6)
+        assert_fp32_close(logits, ref_logits)
         assert torch.equal(tokens, ref_tokens)
         # Under no_grad everything is freed again: training goes on as usual.
         assert all(isinstance(p, DTensor) for p in t.model.parameters())
@@ -702,7 +703,7 @@ def _clip_grad_norm() -> list[float]:
         t.forward_backward(step)
         norm = torch.nn.utils.clip_grad_norm_(t.model.parameters(), MAX_NORM)
         ref_norm = torch.nn.utils.clip_grad_norm_(t.ref.parameters(), MAX_NORM)
-        torch.testing.assert_close(full(norm), ref_norm, rtol=1e-5, atol=1e-6)
+        assert_fp32_close(full(norm), ref_norm)
         norms.append(ref_norm.item())
         t.check_grads(f"step {step} clipped")
         t.optim_step()

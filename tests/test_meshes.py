@@ -38,6 +38,7 @@ from tests.errors import error_text, raised
 from tests.harness import fsdp_api, init_local_process_group, run_on_ranks
 from tests.models import MODELS, MLPStack, build_model
 from tests.parity import ADAM_EPS, LR, WEIGHT_DECAY
+from tests.tolerance import PARAM_ATOL, assert_fp32_close
 
 SEED = 1234
 MLP_BATCH = MODELS["mlp"].make_batch
@@ -304,7 +305,7 @@ def _ignored() -> dict[str, Any]:
         # The ignored weight's gradient is this rank's own, as if there were no FSDP.
         expected = local_p.grad if p is ignored else ref_p.grad
         assert expected is not None and p.grad is not None, name
-        torch.testing.assert_close(full(p.grad), expected, msg=lambda m, n=name: f"{n}: {m}")
+        assert_fp32_close(full(p.grad), expected, msg=lambda m, n=name: f"{n}: {m}")
     assert isinstance(ignored.grad, torch.Tensor) and not isinstance(ignored.grad, DTensor)
     try:
         same_on_all_ranks(ignored.grad.tolist())
@@ -449,12 +450,12 @@ def _flattened_shard_dims(unflattened: bool) -> tuple[str, str, str]:
         reference(x).pow(2).mean().backward()
         model(x[rank * 2 : (rank + 1) * 2]).pow(2).mean().backward()
         for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6)
+            assert_fp32_close(p.grad.full_tensor(), q.grad)
         for optimizer in (ref_opt, opt):
             optimizer.step()
             optimizer.zero_grad()
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p.full_tensor(), q, rtol=1e-5, atol=1e-6)
+        assert_fp32_close(p.full_tensor(), q, atol=PARAM_ATOL)
     uneven = nn.Linear(8, 6)  # 6 rows over 4 flattened ranks
     return (
         str(model[0].weight.placements),

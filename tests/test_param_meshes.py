@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tests.harness import run_on_ranks
+from tests.tolerance import PARAM_ATOL, assert_fp32_close
 
 WORLD = 4
 STEPS = 3
@@ -48,13 +49,13 @@ def _experts_on_hsdp_mesh() -> dict[str, object]:
         with record_collectives() as records:
             model(x[rank * 2 : (rank + 1) * 2]).pow(2).mean().backward()
         for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6)
+            assert_fp32_close(p.grad.full_tensor(), q.grad)
         ref_opt.step()
         opt.step()
         ref_opt.zero_grad()
         opt.zero_grad()
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p.full_tensor(), q, rtol=1e-5, atol=1e-6)
+        assert_fp32_close(p.full_tensor(), q, atol=PARAM_ATOL)
     weight = model[0][2].weight
     assert weight.placements == (Replicate(), Shard(0)), weight.placements
     assert model[0][0].weight.placements == (Shard(0),)
@@ -143,12 +144,12 @@ def _experts_on_unflattened_meshes() -> str:
         reference(x).backward()
         model(x[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH]).backward()
         for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6, msg=name)
+            assert_fp32_close(p.grad.full_tensor(), q.grad, msg=name)
         for optimizer in (ref_opt, opt):
             optimizer.step()
             optimizer.zero_grad()
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p.full_tensor(), q, rtol=1e-5, atol=1e-5)
+        assert_fp32_close(p.full_tensor(), q, atol=PARAM_ATOL)
     return str((model.experts.device_mesh.mesh_dim_names, model.experts.placements))
 
 

@@ -37,6 +37,7 @@ from tests.dp_parity import BF16_TOL, Tolerance, cast_forward, full, train_side_
 from tests.errors import raised
 from tests.harness import fsdp_api, init_local_process_group, run_on_ranks
 from tests.models import Batch
+from tests.tolerance import assert_fp32_close
 
 VOCAB, SEQ, DIM, HEAD_DIM, NUM_BLOCKS = 32, 8, 16, 4, 2
 SEED = 4321
@@ -299,11 +300,9 @@ def _traced_compiled_vs_hooks(sequence_parallel: bool) -> dict[str, Any]:
         loss, ref_loss = compiled(*batch), hooked(*batch)
         loss.backward()
         ref_loss.backward()
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-7, msg=f"step {step}")
+        assert_fp32_close(loss, ref_loss, msg=f"step {step}")
         for (name, p), ref_p in zip(model.named_parameters(), hooked.parameters(), strict=True):
-            torch.testing.assert_close(
-                full(p.grad), full(ref_p.grad), rtol=1e-5, atol=1e-7, msg=f"{name} step {step}"
-            )
+            assert_fp32_close(full(p.grad), full(ref_p.grad), msg=f"{name} step {step}")
             p.grad = ref_p.grad = None
     return {"graph_breaks": sum(counters["graph_break"].values())}
 
