@@ -169,6 +169,7 @@ class FSDPParam:
         """Make the sharded parameter view its chunk of ``flat``, filled with this rank's rows of
         ``full``, or (``full=None``) with the current sharded parameter's values."""
         local = own_storage(typed(flat, self.offset, self.local_numel, self.dtype))
+        self.local_storage = local.untyped_storage()  # what in_buffer() recognises
         local = local.view(self.local_shape)
         if self.subclass is not None:
             local = local.as_subclass(self.subclass)  # same storage, the user's subclass
@@ -271,18 +272,15 @@ class FSDPParam:
             chunk.copy_(whole)
         return chunks
 
-    def in_buffer(self, flat: torch.Tensor) -> bool:
-        """Whether the sharded parameter's local tensor is still its chunk of ``flat`` (and not
-        a tensor ``module.to(...)``, ``to_empty`` or ``load_state_dict(assign=True)`` put in its
-        place). Its storage is its own (see ``own_storage``), so compare addresses; except on
-        meta and fake tensors, which share ``flat``'s storage and all have address 0."""
+    def in_buffer(self) -> bool:
+        """Whether the sharded parameter's local tensor is still the one ``init_sharded`` made
+        (and not one ``module.to(...)``, ``to_empty`` or ``load_state_dict(assign=True)`` put in
+        its place): by storage identity, as data pointers are 0 on meta and for empty shards."""
         local = self.sharded_param._local_tensor  # type: ignore[attr-defined]
-        if local.dtype != self.dtype or local.device != flat.device:  # (a mixed group's is bytes)
-            return False
-        if flat.device.type == "meta" or is_fake(flat):
-            return bool(local.untyped_storage()._cdata == flat.untyped_storage()._cdata)
-        chunk = typed(flat, self.offset, self.local_numel, self.dtype)
-        return bool(local.data_ptr() == chunk.data_ptr())
+        return bool(
+            local.untyped_storage()._cdata == self.local_storage._cdata
+            and local.dtype == self.dtype
+        )
 
     def make_grad(self, local: torch.Tensor) -> DTensor:
         """A gradient with the sharded parameter's placement, wrapping ``local`` without a copy.

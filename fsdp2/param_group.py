@@ -278,7 +278,7 @@ class FSDPParamGroup(GradientReduction):
 
     def _packed(self, fsdp_param: FSDPParam) -> bool:
         """Whether the sharded parameter still lives in this group's flat shard."""
-        return fsdp_param.in_buffer(self.sharded_flat)
+        return fsdp_param.in_buffer()
 
     def _repack_if_stale(self) -> None:
         """Before a gather: finish a deferred re-pack, or refuse to gather stale buffers."""
