@@ -16,6 +16,7 @@ from fsdp2.policies import (
     MixedPrecisionPolicy,
     OffloadPolicy,
 )
+from fsdp2.swap import patch_torch_fsdp
 
 __all__ = [
     "CPUOffloadPolicy",
@@ -26,6 +27,7 @@ __all__ = [
     "ShardedGradScaler",
     "UnshardHandle",
     "fully_shard",
+    "patch_torch_fsdp",
     "register_fsdp_forward_method",
     "replicate",
     "share_comm_ctx",

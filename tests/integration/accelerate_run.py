@@ -31,28 +31,8 @@ import torch.distributed as dist
 if __package__ in (None, ""):  # run as a script by torchrun: make `fsdp2` and `tests` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-# The public names of torch.distributed.fsdp's FSDP2; accelerate imports them from there inside
-# its functions, so replacing the module's attributes is enough.
-SWAPPED_NAMES = (
-    "fully_shard",
-    "FSDPModule",
-    "UnshardHandle",
-    "MixedPrecisionPolicy",
-    "OffloadPolicy",
-    "CPUOffloadPolicy",
-    "register_fsdp_forward_method",
-)
 VOCAB, SEQ, ROWS_PER_RANK = 96, 16, 2
 LR = 5e-3
-
-
-def swap_in_fsdp2() -> None:
-    import torch.distributed.fsdp as torch_fsdp
-
-    import fsdp2
-
-    for name in SWAPPED_NAMES:
-        setattr(torch_fsdp, name, getattr(fsdp2, name))
 
 
 def build_model(tied: bool) -> torch.nn.Module:
@@ -114,7 +94,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="a directory for checkpoints")
     args = parser.parse_args()
     if args.impl == "fsdp2":
-        swap_in_fsdp2()
+        import fsdp2
+
+        fsdp2.patch_torch_fsdp()  # the one-line switch a framework needs
 
     from accelerate import Accelerator, PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin

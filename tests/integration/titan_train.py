@@ -51,39 +51,6 @@ def _stub_gpu_kernels() -> None:
 
 _stub_gpu_kernels()
 
-FSDP_NAMES = (
-    "fully_shard",
-    "FSDPModule",
-    "MixedPrecisionPolicy",
-    "CPUOffloadPolicy",
-    "OffloadPolicy",
-    "DataParallelMeshDims",
-    "UnshardHandle",
-    "register_fsdp_forward_method",
-    "share_comm_ctx",
-)
-
-
-def swap_in_fsdp2() -> None:
-    """Make every module that refers to torch's FSDP names refer to fsdp2's instead: the public
-    modules (for later and lazy imports) and each loaded module holding one of the objects."""
-    import torch.distributed._composable.fsdp as composable
-    import torch.distributed.fsdp as public
-
-    import fsdp2
-
-    swaps = {id(getattr(public, n)): getattr(fsdp2, n) for n in FSDP_NAMES if hasattr(public, n)}
-    for name in FSDP_NAMES:
-        for module in (public, composable):
-            if hasattr(module, name):
-                setattr(module, name, getattr(fsdp2, name))
-    for mod_name, module in list(sys.modules.items()):
-        if mod_name.startswith(("torch.distributed.fsdp._fully_shard", "fsdp2")) or module is None:
-            continue
-        for name, value in list(vars(module).items()):
-            if id(value) in swaps:
-                setattr(module, name, swaps[id(value)])
-
 
 def adapt_to_cpu() -> None:
     """torchtitan on a CPU-only machine with gloo."""
@@ -224,7 +191,9 @@ def main() -> None:
     adapt_to_cpu()
     log_losses()
     if impl == "fsdp2":
-        swap_in_fsdp2()
+        import fsdp2
+
+        fsdp2.patch_torch_fsdp()  # the one-line switch a framework needs
     elif impl == "torch":
         sum_reductions_for_torch()
     else:

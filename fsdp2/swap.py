@@ -1,0 +1,52 @@
+"""Putting fsdp2 where a framework looks for torch's FSDP2: ``patch_torch_fsdp()``.
+
+A user's own script switches by changing one import. A framework (torchtitan, accelerate,
+Lightning) imports ``fully_shard`` and friends from ``torch.distributed.fsdp`` itself, some at
+module load (``from torch.distributed.fsdp import fully_shard``, which copies the object into
+the importing module) and some inside functions (which read the attribute when called). So the
+swap replaces the names in torch's public modules, for imports still to come, and every
+reference to torch's objects in modules already loaded, for imports already made.
+``isinstance(m, FSDPModule)`` checks in those modules then test for fsdp2's class.
+
+torch's own implementation (``torch.distributed.fsdp._fully_shard``) is left alone, so it keeps
+working for anyone who reaches it directly.
+"""
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ["patch_torch_fsdp"]
+
+_PUBLIC_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
+_LEFT_ALONE = ("torch.distributed.fsdp._fully_shard", "fsdp2")
+
+
+def patch_torch_fsdp() -> None:
+    """Make ``torch.distributed.fsdp``'s FSDP2 names (``fully_shard``, ``FSDPModule``,
+    ``MixedPrecisionPolicy``, ...) fsdp2's, everywhere in this process. Call it once, before the
+    model is built, on every rank; calling it again does nothing more."""
+    import importlib
+
+    import fsdp2
+
+    public = [importlib.import_module(name) for name in _PUBLIC_MODULES]
+    names = [n for n in fsdp2.__all__ if any(hasattr(m, n) for m in public)]
+    # torch's object (by id) -> ours, collected before anything is replaced.
+    ours = {
+        id(getattr(module, name)): getattr(fsdp2, name)
+        for module in public
+        for name in names
+        if hasattr(module, name)
+    }
+    for mod_name, module in list(sys.modules.items()):
+        if module is None or mod_name.startswith(_LEFT_ALONE):
+            continue
+        try:
+            attrs = list(vars(module).items())
+        except TypeError:  # a stand-in without __dict__ put in sys.modules by some package
+            continue
+        for attr, value in attrs:
+            replacement = ours.get(id(value))
+            if replacement is not None:
+                setattr(module, attr, replacement)
