@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from fsdp2.changes import take_up_changes
 from fsdp2.collectives import (
     AllGather,
     GroupAllocAllGather,
@@ -100,6 +101,7 @@ class FSDPModule:
         if state.ctx is None:
             state._lazy_init()
         for group in state.groups:
+            take_up_changes(group)
             group.unshard()
         handle = UnshardHandle(state.groups)
         if async_op:

@@ -95,6 +95,7 @@ class FSDPParam:
         self.sharded_param: nn.Parameter  # DTensor; the optimizer's parameter
         self.unsharded_param: nn.Parameter  # plain tensor viewing the unsharded buffer
         self.grad_node: torch.autograd.graph.Node | None = None  # AccumulateGrad, kept alive
+        self._hooked: nn.Parameter | None = None  # the unsharded parameter given on_grad_ready
         self.unreduced: torch.Tensor | None = None  # no-sync gradient sum, in reduce_dtype
 
     def plan(self, info: MeshInfo) -> None:
@@ -213,20 +214,53 @@ class FSDPParam:
     def adopt_unsharded(self, param: nn.Parameter) -> None:
         """Make ``param`` the unsharded parameter, hooked for gradient readiness."""
         self.unsharded_param = param
-        if self.requires_grad and self.on_grad_ready is not None:
-            param.register_post_accumulate_grad_hook(self.on_grad_ready)  # type: ignore[no-untyped-call]
-            # Holding the AccumulateGrad node keeps it unique, so the engine can be asked
-            # whether it will run in a given backward (see FSDPParamGroup.on_grad_ready).
-            # Grad mode on: the first gather may run under no_grad (evaluation first, or the
-            # forward of a reentrant checkpoint), where the view would have no grad_fn.
-            with torch.enable_grad():
-                self.grad_node = self.unsharded_param.view_as(self.unsharded_param).grad_fn
-            if self.grad_node is not None:
-                self.grad_node = self.grad_node.next_functions[0][0]
+        self._hook()
 
-    def register(self, param: nn.Parameter) -> None:
+    def _hook(self) -> None:
+        param = self.unsharded_param
+        if not self.requires_grad or self.on_grad_ready is None:
+            return
+        if self._hooked is not param:  # once per tensor, however often requires_grad flips
+            param.register_post_accumulate_grad_hook(self.on_grad_ready)  # type: ignore[no-untyped-call]
+            self._hooked = param
+        # Holding the AccumulateGrad node keeps it unique, so the engine can be asked
+        # whether it will run in a given backward (see FSDPParamGroup.on_grad_ready).
+        # Grad mode on: the first gather may run under no_grad (evaluation first, or the
+        # forward of a reentrant checkpoint), where the view would have no grad_fn.
+        with torch.enable_grad():
+            self.grad_node = param.view_as(param).grad_fn
+        if self.grad_node is not None:
+            self.grad_node = self.grad_node.next_functions[0][0]
+
+    def follow_requires_grad(self) -> bool:
+        """Take up ``requires_grad_`` called on the sharded parameter since the last forward
+        (the unsharded one is what autograd sees); whether it changed."""
+        wanted = self.sharded_param.requires_grad
+        if wanted == self.requires_grad:
+            return False
+        self.requires_grad = wanted
+        self.unsharded_param.requires_grad_(wanted)
+        self._hook()
+        return True
+
+    def register(self, param: nn.Parameter, replacing: nn.Parameter | None = None) -> None:
+        """Put ``param`` in every slot; with ``replacing``, first check that each slot still
+        holds it: a parameter the user assigned meanwhile must not vanish silently."""
+        if replacing is not None:
+            self.check_slots(replacing)
         for params, name in self.slots:
             params[name] = param
+
+    def check_slots(self, expected: nn.Parameter) -> None:
+        """Raise unless every slot still holds ``expected``, what fsdp2 registered there."""
+        for params, name in self.slots:
+            if params.get(name) is not expected:
+                raise RuntimeError(
+                    f"{self.fqn} was replaced (or removed) on its module in the middle of an "
+                    "iteration (after its forward began, or while unshard() kept it gathered); "
+                    "fsdp2 adopts a new parameter only when a forward starts with the module "
+                    "resharded. Assign parameters between iterations"
+                )
 
     def local_view(self, flat: torch.Tensor, start: int) -> torch.Tensor:
         """This rank's real rows inside a rank-local buffer where the chunk begins at ``start``,

@@ -253,24 +253,29 @@ class FSDPParamGroup(GradientReduction):
         """Buffer units for ``numel`` elements of ``dtype``: elements, or bytes if mixed."""
         return numel * dtype.itemsize if self.mixed else numel
 
-    def rebuild(self) -> None:
+    def rebuild(self, force: bool = False) -> None:
         """Re-pack the sharded parameters into fresh buffers once something (``module.to(...)``,
         ``to_empty``, ``load_state_dict(assign=True)``) replaced their tensors, adopting their new
         device and dtype. A group spanning several modules is converted one module at a time:
         until every parameter is replaced, the rest still live in the old (maybe meta) buffer,
-        so the re-pack waits (``stale``) for the last module, or for the next gather."""
+        so the re-pack waits (``stale``) for the last module, or for the next gather. ``force``:
+        re-pack now, whatever was replaced (parameters a user assigned: see changes.py)."""
         replaced = [not self._packed(p) for p in self.fsdp_params]
-        if not any(replaced):
-            self.stale = False
-            return
-        self.stale = True
-        if not all(replaced):
-            return
+        if not force:
+            if not any(replaced):
+                self.stale = False
+                return
+            self.stale = True
+            if not all(replaced):
+                return
         self.reshard()
         for fsdp_param in self.fsdp_params:
             fsdp_param.dtype = fsdp_param.sharded_param.dtype
         self._set_dtypes()
-        storage = self.fsdp_params[0].sharded_param._local_tensor.device  # type: ignore[attr-defined]
+        devices = [p.sharded_param._local_tensor.device for p in self.fsdp_params]  # type: ignore[attr-defined]
+        # Some still on meta (only others were replaced): nothing to keep until to_empty().
+        metas = [d for d in devices if d.type == "meta"]
+        storage = metas[0] if metas else devices[0]
         if self.offload is None:
             self.device = storage
         self._build(storage, None)
@@ -396,7 +401,7 @@ class FSDPParamGroup(GradientReduction):
                 # outlive the copy-out by chance.
                 out.untyped_storage().resize_(0)
         for fsdp_param in self.fsdp_params:
-            fsdp_param.register(fsdp_param.unsharded_param)
+            fsdp_param.register(fsdp_param.unsharded_param, replacing=fsdp_param.sharded_param)
         self.state = ShardedState.UNSHARDED
 
     def _cast_plain(self) -> torch.Tensor:
@@ -438,7 +443,7 @@ class FSDPParamGroup(GradientReduction):
             self._gather = None
         if self.state is ShardedState.UNSHARDED:
             for fsdp_param in self.fsdp_params:
-                fsdp_param.register(fsdp_param.sharded_param)
+                fsdp_param.register(fsdp_param.sharded_param, replacing=fsdp_param.unsharded_param)
         self.state = ShardedState.SHARDED
         self._partial = None
         self._free_unsharded()

@@ -72,8 +72,12 @@ class PendingReduce:
 
 
 def accumulate_grad(fsdp_param: FSDPParam, local: torch.Tensor) -> None:
-    """Hand a reduced shard to the sharded parameter: as its gradient, or added to it."""
+    """Hand a reduced shard to the sharded parameter: as its gradient, or added to it; then run
+    the parameter's post-accumulate-grad hooks (optimizer-in-backward steps there), once per
+    backward, as autograd runs them for a plain parameter."""
     param = fsdp_param.sharded_param
+    if not param.requires_grad:
+        return  # frozen after its forward: as in plain PyTorch, it gets no gradient
     if param.grad is None:
         param.grad = fsdp_param.make_grad(local)
     elif isinstance(param.grad, DTensor):
@@ -83,6 +87,8 @@ def accumulate_grad(fsdp_param: FSDPParam, local: torch.Tensor) -> None:
             f"fsdp2 expected the gradient of {fsdp_param.fqn} to be None or a DTensor, found a "
             f"{type(param.grad).__name__}; assign gradients as DTensors or set them to None"
         )
+    for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
+        hook(param)
 
 
 def local_grad(fsdp_param: FSDPParam, grad: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ import torch.nn as nn
 from torch._compile import _disable_dynamo
 from torch.autograd import Variable
 
+from fsdp2.changes import take_up_changes
 from fsdp2.param import FSDPParam
 from fsdp2.param_group import FSDPParamGroup
 from fsdp2.policies import MixedPrecisionPolicy, cast_floats
@@ -265,6 +266,7 @@ class FSDPState:
         _trace("pre_forward", self.fqn)
         self.training_state = TrainingState.FORWARD
         for group in self.groups:  # issue every gather before waiting for any
+            take_up_changes(group)
             group.unshard()
         for group in self.groups:
             group.wait_for_unshard()
