@@ -33,7 +33,8 @@ def take_up_changes(group: FSDPParamGroup) -> None:
 
 
 def _follow_requires_grad(group: FSDPParamGroup) -> None:
-    changed = [p for p in group.fsdp_params if p.follow_requires_grad()]
+    gathered = group.state is ShardedState.UNSHARDED
+    changed = [p for p in group.fsdp_params if p.follow_requires_grad(gathered)]
     if not changed:
         return
     if group._replica_partial is not None:
@@ -97,25 +98,25 @@ def _replacement(fsdp_param: FSDPParam) -> nn.Parameter | None:
     if all(p is fsdp_param.sharded_param for p in held):
         return None
     new = held[0]
-    where = ", ".join(f"{type(m).__name__}.{n}" for m, n in fsdp_param.slot_modules)
     if any(p is not new for p in held):
         raise ValueError(
-            f"{fsdp_param.fqn} is one parameter shared by {where}, and only some of them were "
-            "assigned a new one. Assign the same parameter to all of them (untying or tying "
-            "weights is done before fully_shard)"
+            f"{fsdp_param.fqn} is one parameter shared by {len(held)} modules (tied weights), "
+            "and only some of them were assigned a new one. Assign the same parameter to all "
+            "of them (tie or untie weights before fully_shard)"
         )
     if new is None:
+        module = type(fsdp_param.slot_modules[0][0]).__name__
         raise ValueError(
-            f"{fsdp_param.fqn} was removed from {where} after fully_shard (as "
+            f"{fsdp_param.fqn} was removed from its module ({module}) after fully_shard (as "
             "torch.nn.utils.parametrize and weight_norm do); fsdp2 cannot follow a parameter "
             "that moved. Apply them before fully_shard"
         )
     layout = _layout(old, old)
     if not isinstance(new, DTensor) or _layout(new, old) != layout:
-        found = _layout(new, old) if isinstance(new, DTensor) else f"a {type(new).__name__}"
+        found = _layout(new, old) if isinstance(new, DTensor) else f"a plain {type(new).__name__}"
         raise ValueError(
             f"{fsdp_param.fqn} was replaced after fully_shard by {found}; fsdp2 can adopt a "
-            f"DTensor parameter laid out like the one it replaces: {layout}. Build it as "
+            f"parameter laid out like the one it replaces: {layout}. Build it as "
             "nn.Parameter(distribute_tensor(full, old.device_mesh, old.placements)), or copy "
             "into the old one in place (with torch.no_grad(): old.copy_(new))"
         )
@@ -126,4 +127,4 @@ def _layout(param: DTensor, old: DTensor) -> str:
     """What must match; the device too, unless the old shard was never materialised."""
     device = param._local_tensor.device
     on = "" if old._local_tensor.device.type == "meta" else f" on {device}"
-    return f"shape {tuple(param.shape)} over {param.device_mesh} as {param.placements}{on}"
+    return f"a DTensor of shape {tuple(param.shape)} over {param.device_mesh} as {param.placements}{on}"

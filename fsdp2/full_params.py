@@ -159,7 +159,9 @@ def _summon_group(
         for fsdp_param in group.fsdp_params:
             full = _gather(fsdp_param, group.device, offload_to_cpu)
             if keep:
-                full_param = nn.Parameter(full, requires_grad=fsdp_param.requires_grad)
+                full_param = nn.Parameter(
+                    full, requires_grad=fsdp_param.sharded_param.requires_grad
+                )
                 fsdp_param.register(full_param)
                 fulls.append((fsdp_param, full_param))
         yield

@@ -232,22 +232,31 @@ class FSDPParam:
         if self.grad_node is not None:
             self.grad_node = self.grad_node.next_functions[0][0]
 
-    def follow_requires_grad(self) -> bool:
-        """Take up ``requires_grad_`` called on the sharded parameter since the last forward
-        (the unsharded one is what autograd sees); whether it changed."""
-        wanted = self.sharded_param.requires_grad
+    def follow_requires_grad(self, gathered: bool) -> bool:
+        """Take up ``requires_grad_`` called since the last forward on the registered parameter
+        (the unsharded one if ``gathered``: what ``model.parameters()`` yields then); whether
+        it changed."""
+        wanted = (self.unsharded_param if gathered else self.sharded_param).requires_grad
         if wanted == self.requires_grad:
             return False
         self.requires_grad = wanted
+        self.sharded_param.requires_grad_(wanted)
         self.unsharded_param.requires_grad_(wanted)
         self._hook()
         return True
 
+    def frozen(self) -> bool:
+        """Frozen now, by ``requires_grad_`` on either parameter (possibly since its forward)."""
+        return not (self.sharded_param.requires_grad and self.unsharded_param.requires_grad)
+
     def register(self, param: nn.Parameter, replacing: nn.Parameter | None = None) -> None:
-        """Put ``param`` in every slot; with ``replacing``, first check that each slot still
-        holds it: a parameter the user assigned meanwhile must not vanish silently."""
+        """Put ``param`` in every slot. With ``replacing``, first check that each slot still
+        holds it (a parameter the user assigned meanwhile must not vanish silently), and carry
+        over its ``requires_grad``: the user may have changed it on the one they could see."""
         if replacing is not None:
             self.check_slots(replacing)
+            if param.requires_grad != replacing.requires_grad:
+                param.requires_grad_(replacing.requires_grad)
         for params, name in self.slots:
             params[name] = param
 

@@ -182,7 +182,9 @@ class FSDPParamGroup(GradientReduction):
         # they are made at the first gather, so that sharding (or re-packing after to_empty) a
         # model never allocates its unsharded size. Until then, empty stand-ins.
         for fsdp_param in self.fsdp_params:
-            fsdp_param.unsharded_param = nn.Parameter(torch.empty(0), requires_grad=False)
+            fsdp_param.unsharded_param = nn.Parameter(
+                torch.empty(0), requires_grad=fsdp_param.requires_grad
+            )
             fsdp_param.ext_inner = None  # extension parameters: built by their post hook
         self.unsharded_flat = self.sharded_flat if self.alias else None
         self._copy_out: list[torch.Tensor] = []

@@ -75,9 +75,9 @@ def accumulate_grad(fsdp_param: FSDPParam, local: torch.Tensor) -> None:
     """Hand a reduced shard to the sharded parameter: as its gradient, or added to it; then run
     the parameter's post-accumulate-grad hooks (optimizer-in-backward steps there), once per
     backward, as autograd runs them for a plain parameter."""
-    param = fsdp_param.sharded_param
-    if not param.requires_grad:
+    if fsdp_param.frozen():
         return  # frozen after its forward: as in plain PyTorch, it gets no gradient
+    param = fsdp_param.sharded_param
     if param.grad is None:
         param.grad = fsdp_param.make_grad(local)
     elif isinstance(param.grad, DTensor):
