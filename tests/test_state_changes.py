@@ -344,19 +344,21 @@ def test_parameter_assigned_after_meta_init(impl: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 # Tolerances for the low-precision runs: the two runs differ only in where rounding happens
-# (sums split over ranks, the reduce-scatter's own rounding); allow about ten roundings of the
-# dtype's unit roundoff (2^-11 for float16, 2^-8 for bfloat16) relative to the values, and to
-# the typical magnitude (~1) in absolute terms. The SGD steps below (lr 0.5) move parameters by
+# (sums split over ranks, the reduce-scatter's own rounding). Allow about ten roundings of the
+# dtype's unit roundoff u (2^-11 for float16, 2^-8 for bfloat16) relative to the values, and
+# absolute ones of the same relative size on the values' scale (~0.1: weights of an 8- or
+# 16-wide Linear, and their gradients). The SGD steps below (lr 0.5) move parameters by
 # ~1e-2, above those tolerances: a skipped or stale update still fails.
 CASTS: dict[str, tuple[Callable[[nn.Module], object], torch.dtype, float]] = {
-    "float64": (lambda m: m.to(torch.float64), torch.float64, RTOL),
-    "half": (lambda m: m.half(), torch.float16, 10 * 2**-11),
-    "bfloat16": (lambda m: m.to(torch.bfloat16), torch.bfloat16, 10 * 2**-8),
+    "float64": (lambda m: m.to(torch.float64), torch.float64, 2**-53),
+    "half": (lambda m: m.half(), torch.float16, 2**-11),
+    "bfloat16": (lambda m: m.to(torch.bfloat16), torch.bfloat16, 2**-8),
 }
 
 
 def _cast_after_training(impl: str, cast: str) -> None:
-    apply, dtype, tol = CASTS[cast]
+    apply, dtype, unit = CASTS[cast]
+    rtol, atol = max(10 * unit, RTOL), max(unit, ATOL)
     model, ref = build_model("mlp", MODEL_SEED), build_model("mlp", MODEL_SEED)
     shard_model(model, ParityConfig(model="mlp", impl=impl))
     _train(model, ref, range(2), _Comparer(RTOL, ATOL))  # gathered and reduced in float32 first
@@ -364,7 +366,7 @@ def _cast_after_training(impl: str, cast: str) -> None:
         apply(m)
     for name, param in model.named_parameters():
         assert param.dtype == dtype and isinstance(param, DTensor), name
-    close = _Comparer(tol, tol)
+    close = _Comparer(rtol, atol)
     sgds = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref)]
     for step in range(2, 5):
         _step(model, ref, step, close, input_dtype=dtype)
@@ -373,12 +375,14 @@ def _cast_after_training(impl: str, cast: str) -> None:
         for sgd in sgds:
             sgd.step()
             sgd.zero_grad()
-        compare_params_and_buffers(model, ref, f"after step {step}", _Comparer(tol, tol))
+        compare_params_and_buffers(model, ref, f"after step {step}", _Comparer(rtol, atol))
 
 
 @pytest.mark.parametrize("cast", list(CASTS))
 @impls
 def test_cast_after_training(impl: str, cast: str) -> None:
+    if impl == "torch":
+        pytest.skip("torch's fully_shard keeps all-gathering into its first dtype's buffers")
     run_on_ranks(2, _cast_after_training, impl, cast)
 
 
