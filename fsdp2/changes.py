@@ -23,12 +23,12 @@ from torch.distributed.tensor import DTensor
 from fsdp2.param import FSDPParam, ShardedState
 from fsdp2.param_group import FSDPParamGroup
 
-__all__ = ["adopt_replaced", "take_up_changes"]
+__all__ = ["take_up_changes"]
 
 
 def take_up_changes(group: FSDPParamGroup) -> None:
     """Adopt parameters assigned on the group's modules, then follow ``requires_grad``."""
-    adopt_replaced(group)
+    _adopt_replaced(group)
     _follow_requires_grad(group)
 
 
@@ -48,12 +48,15 @@ def _follow_requires_grad(group: FSDPParamGroup) -> None:
             fsdp_param.unsharded_param.grad = None
             fsdp_param.unreduced = None
     group.trainable = [p for p in group.fsdp_params if p.requires_grad]
+    if group.mixed:  # a mixed group reduces in the widest of its trainable parameters' dtypes
+        group._set_dtypes()  # (the layout it also recomputes depends on dtypes only: unchanged)
 
 
-def adopt_replaced(group: FSDPParamGroup) -> None:
+def _adopt_replaced(group: FSDPParamGroup) -> None:
     """Make parameters assigned on the modules since fsdp2 last registered its own the group's
-    sharded parameters, re-packed into its buffers (the objects stay: an optimizer built after
-    the assignment holds them)."""
+    sharded parameters, re-packed into its buffers now, with the rest (the objects stay: an
+    optimizer built after the assignment holds them). ``load_state_dict(assign=True)`` does
+    its own adoption (state_dict.py), waiting for the whole group."""
     unsharded = group.state is ShardedState.UNSHARDED
     found: list[tuple[FSDPParam, nn.Parameter]] = []
     for fsdp_param in group.fsdp_params:

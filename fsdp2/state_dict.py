@@ -84,8 +84,9 @@ def _as_shard(value: torch.Tensor, fsdp_param: FSDPParam) -> torch.Tensor:
 
 def _adopt_assigned(group: FSDPParamGroup) -> None:
     """``load_state_dict(assign=True)`` (as ``set_model_state_dict`` does for a model still on
-    the meta device) registers new parameter objects, one per key: tie every slot of a shared
-    parameter to its first key's object again, and adopt them (a no-op when nothing changed)."""
+    the meta device) registers new parameter objects: make them the group's sharded parameters,
+    tie every slot of a shared parameter to one object again, and pack them into the group's
+    buffers. ``rebuild`` is a no-op when nothing was replaced."""
     for fsdp_param in group.fsdp_params:
         # Any slot may hold the new object: a tied alias can be loaded after the first name.
         current = next(

@@ -20,6 +20,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
+from tests import test_mixed_dtypes as mixed
+from tests.dp_parity import train_side_by_side
 from tests.errors import error_text
 from tests.harness import IMPL_UNDER_TEST, fsdp_api, run_on_ranks
 from tests.models import MLP_DIM, MLP_IN, MLP_OUT, build_model, make_batch
@@ -134,6 +136,45 @@ def test_requires_grad_changed_between_steps(impl: str, reshard_after_forward: b
 
 def test_requires_grad_changed_between_steps_4_ranks() -> None:
     run_on_ranks(4, _requires_grad_schedule, IMPL_UNDER_TEST, None)
+
+
+def _unfreeze_in_mixed_dtype_group() -> list[dict[str, int]]:
+    """A group holding fp32 and fp64 parameters reduces in the widest dtype of those that
+    train: fp32 while the fp64 ones are frozen, fp64 once they are unfrozen."""
+    model, ref = mixed.build("fp64"), mixed.build("fp64")
+    frozen = ("proj", "gain")  # used in backward before lin's gradients: see test_mixed_dtypes
+    for net in (model, ref):
+        _set_requires_grad(net, {f"blocks.{i}.{n}": False for i in (0, 1) for n in frozen})
+    mixed.shard(model)
+
+    def unfreeze(step: int, micro: int) -> None:
+        if step == 1:
+            for net in (model, ref):
+                _set_requires_grad(net, {"blocks.": True})
+
+    result = train_side_by_side(
+        model,
+        ref,
+        mixed.make_batch,
+        dp_rank=dist.get_rank(),
+        dp_size=dist.get_world_size(),
+        num_steps=3,
+        tol=mixed.TOLERANCES["fp64"],
+        before_micro=unfreeze,
+    )
+    return [
+        {r.label: r.input_nbytes for r in records if r.kind == "reduce_scatter"}
+        for records in result.records
+    ]
+
+
+def test_unfreeze_in_mixed_dtype_group_reduces_in_the_wider_dtype(fsdp2_only: None) -> None:
+    per_step = run_on_ranks(2, _unfreeze_in_mixed_dtype_group)[0]
+    # Per rank, chunks of 4 of 7 rows, both ranks' sent: lin.weight (7x7) and lin.bias (7) in
+    # fp32 at first; then also proj (7x7) and gain (7), all reduced in fp64.
+    fp32_only, with_fp64 = 2 * (28 + 4) * 4, 2 * (28 + 4 + 28 + 4) * 8
+    assert per_step[0]["blocks.0"] == fp32_only, per_step
+    assert per_step[1]["blocks.0"] == per_step[2]["blocks.1"] == with_fp64, per_step
 
 
 # ---------------------------------------------------------------------------------------------
