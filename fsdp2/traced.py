@@ -42,6 +42,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from fsdp2.changes import take_up_changes
 from fsdp2.policies import cast_floats
 
 if TYPE_CHECKING:
@@ -103,7 +104,16 @@ def traced_forward(
         )
     if state.input_dtype is not None:
         args, kwargs = cast_floats((args, kwargs), state.input_dtype)
-    shards = [p.sharded_param for p in group.fsdp_params]
+    if torch.compiler.is_compiling():
+        # Adopting repacks buffers, which a graph cannot do: gather from whatever parameter the
+        # module holds now (a replaced one recompiles on dynamo's identity guard), so an
+        # assigned parameter is trained, never the stale one. Eager adoption catches up later.
+        shards = [
+            fsdp_param.slots[0][0][fsdp_param.slots[0][1]] for fsdp_param in group.fsdp_params
+        ]
+    else:
+        take_up_changes(group)  # as the hooks do: assigned parameters, requires_grad_
+        shards = [p.sharded_param for p in group.fsdp_params]
     if state.reshard_after_forward and torch.is_grad_enabled():
         context = functools.partial(create_selective_checkpoint_contexts, _recompute_everything)
         fulls = checkpoint(_gather, group, *shards, use_reentrant=False, context_fn=context)
@@ -118,9 +128,9 @@ def traced_forward(
             output = cast_floats(output, state.output_dtype)
         return output
     finally:
-        for fsdp_param in group.fsdp_params:
+        for fsdp_param, shard in zip(group.fsdp_params, shards, strict=True):
             for params, name in fsdp_param.slots:
-                params[name] = fsdp_param.sharded_param
+                params[name] = shard
 
 
 def _gather(group: FSDPParamGroup, *shards: torch.Tensor) -> list[torch.Tensor]:

@@ -514,3 +514,27 @@ class TestErrorMessages(expecttest.TestCase):
             error_messages()["mid-iteration"],
             """RuntimeError: layers.6.weight was replaced (or removed) on its module in the middle of an iteration (after its forward began, or while unshard() kept it gathered); fsdp2 adopts a new parameter only when a forward starts with the module resharded. Assign parameters between iterations""",
         )
+
+
+def _replaced_parameters_traced(compiled: bool) -> None:
+    """Traced mode (``set_traced``) follows assigned parameters too: eagerly it adopts them as
+    the hooks do; inside a compiled region (here layers.0, whose forward runs within the
+    compiled root) it gathers from whatever parameter the module holds."""
+    from fsdp2.traced import set_traced
+
+    model, ref = _chain("fsdp2")
+    set_traced(model)
+    if compiled:
+        model.compile(backend="aot_eager")
+    gen = torch.Generator().manual_seed(7)
+    close, close_params = _Comparer(RTOL, ATOL), _Comparer(RTOL, PARAM_ATOL)
+    _train(model, ref, range(2), close)
+    _assign(model, ref, "layers.0.weight", torch.randn(MLP_DIM, MLP_IN, generator=gen), True)
+    _assign(model, ref, "layers.4.weight", torch.randn(MLP_DIM, MLP_DIM, generator=gen), True)
+    _train(model, ref, range(2, 4), close)
+    compare_params_and_buffers(model, ref, "after training", close_params)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_parameters_assigned_in_traced_mode(compiled: bool, fsdp2_only: None) -> None:
+    run_on_ranks(2, _replaced_parameters_traced, compiled)
