@@ -137,6 +137,7 @@ class FSDPParamGroup(GradientReduction):
         self._ready = 0
         self._expected = 0
         self.on_grads_ready: Callable[[], None] = lambda: None  # set by the owning FSDPState
+        self.grads_ready = False  # every gradient in, not yet reduced (see reduce.py's note)
         self.seen_in = -1  # the last iteration whose forward ran this group
         self.order_index = 0  # its position in that forward's order
         self.reduced_in_backward = False  # reduce-scattered since the last end of backward

@@ -5,8 +5,11 @@
 Each unsharded parameter that needs a gradient has a post-accumulate-grad hook. At its first call
 in a backward, the group asks the autograd engine how many of its parameters' ``AccumulateGrad``
 nodes will run in this graph task; when that many have fired, every gradient the group will get is
-in, and it reduce-scatters them in one collective. Parameters outside this backward's graph are
-not waited for; anything that never fires is caught by the end-of-backward callback.
+in. Parameters outside this backward's graph are not waited for; anything that never fires is
+caught by the end-of-backward callback. The group reshards and reduce-scatters them in one
+collective once its module's backward is done too ([Note: when a module's backward is done] in
+inputs.py): resharding first, so that the collective's buffers never coexist with the
+unsharded parameters.
 
 A reentrant activation checkpoint runs each block's backward as a nested graph task, whose
 engine sees only the block's nodes. The count starts at the group's pre-backward, in the task
@@ -130,6 +133,7 @@ class GradientReduction:
     reduce_dtype: torch.dtype
     device: torch.device
     on_grads_ready: Callable[[], None]
+    grads_ready: bool
     reduced_in_backward: bool
     divide_factor: float | None
     force_sum_reduction: bool
@@ -154,6 +158,7 @@ class GradientReduction:
             self._task, self._ready, self._expected = task, 0, self._count_expected()
         self._ready += 1
         if self._ready == self._expected:
+            self.grads_ready = True
             self.on_grads_ready()
 
     def begin_backward(self) -> None:
@@ -162,6 +167,7 @@ class GradientReduction:
         task = torch._C._current_graph_task_id()
         self._task, self._ready, self._expected = task, 0, self._count_expected()
         self.backward_task = task if self._expected else -1
+        self.grads_ready = not self._expected  # none to wait for: only the module's backward
 
     def _count_expected(self) -> int:
         try:

@@ -34,6 +34,7 @@ from torch._compile import _disable_dynamo
 from torch.autograd import Variable
 
 from fsdp2.changes import take_up_changes
+from fsdp2.inputs import InputHooks
 from fsdp2.param import FSDPParam
 from fsdp2.param_group import FSDPParamGroup
 from fsdp2.policies import MixedPrecisionPolicy, cast_floats
@@ -83,6 +84,7 @@ class IterContext:
         # that raises leaves no partial gradients behind (see reset()).
         self.reduced: list[tuple[FSDPParam, torch.Tensor]] = []
         self.callback_queued = False
+        self.num_backwards = 0  # ends of backward so far: with the iteration, names a round
         self.is_last_backward = True
         self.post_optim_event: torch.Event | None = None
 
@@ -151,11 +153,13 @@ class IterContext:
         for state in self.states:
             for group in state.groups:
                 group.reduced_in_backward = False
+                group.grads_ready = False
                 group.backward_task = -1
                 if group.reshard_after_backward and not keep_gathered:
                     group.reshard()
             state.training_state = TrainingState.IDLE
         self.callback_queued = False
+        self.num_backwards += 1
 
     def reset(self) -> None:
         """Forget a failed iteration: its collectives, its gradients, its unsharded parameters."""
@@ -166,6 +170,7 @@ class IterContext:
             for group in state.groups:
                 group.drop_unreduced_grads()
                 group.reduced_in_backward = False
+                group.grads_ready = False
                 group.backward_task = -1
                 group.reshard()
             state.training_state = TrainingState.IDLE
@@ -202,6 +207,7 @@ class FSDPState:
         # fully_shard([a, b]): the modules not yet run since the group was gathered for forward.
         self._yet_to_run: set[int] = set()
         self._yet_to_run_in = -1  # the iteration that set was started in
+        self.inputs = InputHooks(self._inputs_done)  # see [Note: when a module's backward is done]
         for group in groups:
             group.on_grads_ready = partial(self._post_backward, group)
 
@@ -271,6 +277,8 @@ class FSDPState:
         for group in self.groups:
             group.wait_for_unshard()
             ctx.record(group)
+        if torch.is_grad_enabled():
+            self.inputs.hook((args, kwargs), (ctx.iteration, ctx.num_backwards))
         if self.forward_prefetch is not None:
             for target in self.forward_prefetch:
                 target.unshard()
@@ -378,9 +386,23 @@ class FSDPState:
                 previous.unshard()
 
     def _post_backward(self, group: FSDPParamGroup) -> None:
+        """Every gradient of ``group`` is in; finish it if its modules' backward is done too."""
+        self.require_ctx().queue_end_of_backward()
+        self._finish_if_done(group)
+
+    def _inputs_done(self) -> None:
+        """A forward call's input gradients are in (maybe the last call's)."""
+        for group in self.groups:
+            self._finish_if_done(group)
+
+    def _finish_if_done(self, group: FSDPParamGroup) -> None:
+        """Reshard and reduce-scatter ``group`` once autograd is done with it: its gradients
+        are in and its modules' backward is done (see [Note: when a module's backward is done])."""
+        if not group.grads_ready or not self.inputs.done():
+            return
+        group.grads_ready = False
         ctx = self.require_ctx()
         _trace("post_backward", self.fqn)
-        ctx.queue_end_of_backward()
         if group.reshard_after_backward and not torch.is_grad_enabled():
             group.reshard()  # first: the reduction needs only the gradients, not the parameters
         if group.reduce_grads_enabled:

@@ -1,0 +1,127 @@
+"""When a module's backward is done: the gradients of its forward inputs are in.
+
+[Note: when a module's backward is done]
+A group's trainable gradients being in ([Note: when a group's gradients are ready] in
+reduce.py) does not mean autograd is done with its unsharded parameters:
+- a frozen parameter saved for backward is still read to compute the gradient of the module's
+  inputs (LoRA's ``base(x) + B(A(x))`` with ``base`` frozen: the adapters' gradients can all land
+  before ``base``'s backward computes ``dx``; a frozen norm scaling a trainable layer's input);
+- a reentrant checkpoint on a submodule recomputes that submodule's forward, with the registered
+  parameters, after the gradients of the parameters outside it are in.
+So a group reshards only once its module's backward is done as well: each forward call with grad
+enabled hooks the tensors among its inputs that require grad, and the module is done in a graph
+task once every call's hooks have fired in that task. A call whose inputs need no gradient gets no
+hook: every node it leaves in the graph leads to one of its trainable parameters, whose
+``AccumulateGrad`` runs after it. A call whose hooks never fire (its inputs not needed by this
+backward) keeps the group gathered until the end of backward: memory, never correctness.
+
+The hook runs first among its tensor's hooks, before the pre-backward hook of the module that
+produced the tensor, so that a block reshards before the block before it gathers.
+
+A call's record holds its inputs' autograd nodes (to ask the engine which will run), and the
+hooks find it by index, never by reference: node → hook → record → node would be a cycle through
+C++ that the garbage collector cannot see, leaking the graph. Records are dropped at the module's
+first forward after a backward (or in a new iteration), which removes their hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+from torch.autograd.graph import Node, get_gradient_edge
+from torch.utils.hooks import RemovableHandle
+
+from fsdp2.tree import tensors_in
+
+__all__ = ["InputHooks"]
+
+
+def _will_run(node: Node) -> bool:
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:
+        # A leaf whose gradient torch.autograd.grad() returns: its hook fires all the same.
+        return True
+
+
+class _Call:
+    """One forward call's inputs that require grad, and how far their gradients got."""
+
+    __slots__ = ("done_in", "left", "nodes", "task")
+
+    def __init__(self, nodes: list[Node]) -> None:
+        self.nodes = nodes  # one per hooked tensor (tensors may share a node)
+        self.task = -1  # the graph task ``left`` counts in
+        self.left = 0  # hooks still to fire in that task
+        self.done_in = -1  # the last graph task in which every expected hook fired
+
+
+class InputHooks:
+    """The forward calls of one ``fully_shard`` call's modules since its last backward, and
+    whether their backward is done (see the note above)."""
+
+    def __init__(self, on_done: Callable[[], None]) -> None:
+        self.on_done = on_done  # a call's backward finished (maybe the last one)
+        self._calls: list[_Call] = []
+        self._handles: list[RemovableHandle] = []
+        self._generation = 0  # bumped when records are dropped: older hooks do nothing
+        self._round: object = None
+
+    def hook(self, inputs: Any, round_key: object) -> None:
+        """At a forward call with grad enabled. ``round_key`` names the forward-backward round;
+        records of an older round are dropped first."""
+        if round_key != self._round:
+            self._round = round_key
+            self.clear()
+        seen: set[int] = set()
+        tensors = []
+        for t in tensors_in(inputs):
+            if t.requires_grad and id(t) not in seen:
+                seen.add(id(t))
+                tensors.append(t)
+        if not tensors:
+            return
+        index = len(self._calls)
+        self._calls.append(_Call([get_gradient_edge(t).node for t in tensors]))
+        fn = partial(self._fired, self._generation, index)
+        for t in tensors:
+            self._handles.append(_prepend_hook(t, fn))
+
+    def clear(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._calls = [], []
+        self._generation += 1
+
+    def done(self) -> bool:
+        """Whether every recorded call's backward is done in the running graph task."""
+        task = torch._C._current_graph_task_id()
+        return all(call.done_in == task for call in self._calls)
+
+    def _fired(self, generation: int, index: int, grad: torch.Tensor) -> None:
+        if generation != self._generation:
+            return  # a hook of dropped records (an older graph's backward)
+        call = self._calls[index]
+        task = torch._C._current_graph_task_id()
+        if call.task != task:
+            # Inputs this task computes no gradient for are not waited for.
+            call.task, call.left = task, sum(_will_run(n) for n in call.nodes)
+        call.left -= 1
+        if call.left <= 0 and call.done_in != task:
+            call.done_in = task
+            self.on_done()
+
+
+def _prepend_hook(t: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> RemovableHandle:
+    """``t.register_hook(fn)``, but run before the hooks already there. The engine walks the
+    hooks dict in insertion order (``OrderedDict.move_to_end`` does not change it): re-insert
+    the others after ``fn``."""
+    handle = t.register_hook(fn)  # type: ignore[no-untyped-call]
+    hooks = t._backward_hooks
+    if hooks is not None and len(hooks) > 1:
+        for key in [k for k in hooks if k != handle.id]:
+            hooks[key] = hooks.pop(key)
+    return handle
