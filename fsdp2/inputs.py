@@ -119,7 +119,7 @@ def _prepend_hook(t: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> Remova
     """``t.register_hook(fn)``, but run before the hooks already there. The engine walks the
     hooks dict in insertion order (``OrderedDict.move_to_end`` does not change it): re-insert
     the others after ``fn``."""
-    handle = t.register_hook(fn)  # type: ignore[no-untyped-call]
+    handle: RemovableHandle = t.register_hook(fn)  # type: ignore[no-untyped-call]
     hooks = t._backward_hooks
     if hooks is not None and len(hooks) > 1:
         for key in [k for k in hooks if k != handle.id]:

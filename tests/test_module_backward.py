@@ -192,3 +192,33 @@ def test_reentrant_checkpoint_on_a_submodule() -> None:
     """The unit stays gathered until its checkpoint has recomputed and run its backward."""
     for compared in run_on_ranks(2, _train, InnerStack, "plain", IMPL_UNDER_TEST):
         assert compared == NUM_STEPS * (2 * 2 * NUM_BLOCKS + 2)
+
+
+def _backward_order() -> list[list[tuple[str, str]]]:
+    from fsdp2.collectives import record_collectives
+
+    t = Lockstep(LoRAStack, _batch)
+    _shard(t, "fsdp2")
+    orders = []
+    for step in range(2):
+        x, y = t.local(step)
+        loss = t.model(x.requires_grad_(), y)
+        with record_collectives() as records:
+            loss.backward()
+        orders.append([(r.kind, r.label) for r in records])
+    return orders
+
+
+@pytest.mark.usefixtures("fsdp2_only")
+def test_each_group_freed_before_the_one_before_it_gathers() -> None:
+    """Waiting for the inputs' gradients costs no memory: each group still reshards and
+    reduce-scatters before the group that ran before it in forward gathers (its input hook runs
+    before that group's pre-backward hook on the same tensor)."""
+    expected = [
+        ("all_gather", "head"),
+        ("reduce_scatter", "head"),
+        *[(k, f"blocks.{i}") for i in (2, 1, 0) for k in ("all_gather", "reduce_scatter")],
+        ("reduce_scatter", ""),
+    ]
+    for orders in run_on_ranks(2, _backward_order):
+        assert orders == [expected, expected]
