@@ -46,6 +46,7 @@ from fsdp2.changes import take_up_changes
 from fsdp2.policies import cast_floats
 
 if TYPE_CHECKING:
+    from fsdp2.param import FSDPParam
     from fsdp2.param_group import FSDPParamGroup
     from fsdp2.state import FSDPState
 
@@ -108,9 +109,7 @@ def traced_forward(
         # Adopting repacks buffers, which a graph cannot do: gather from whatever parameter the
         # module holds now (a replaced one recompiles on dynamo's identity guard), so an
         # assigned parameter is trained, never the stale one. Eager adoption catches up later.
-        shards = [
-            fsdp_param.slots[0][0][fsdp_param.slots[0][1]] for fsdp_param in group.fsdp_params
-        ]
+        shards = [_held(fsdp_param) for fsdp_param in group.fsdp_params]
     else:
         take_up_changes(group)  # as the hooks do: assigned parameters, requires_grad_
         shards = [p.sharded_param for p in group.fsdp_params]
@@ -131,6 +130,12 @@ def traced_forward(
         for fsdp_param, shard in zip(group.fsdp_params, shards, strict=True):
             for params, name in fsdp_param.slots:
                 params[name] = shard
+
+
+def _held(fsdp_param: FSDPParam) -> nn.Parameter:
+    """The parameter the module holds in ``fsdp_param``'s place now."""
+    params, name = fsdp_param.slots[0]
+    return cast(nn.Parameter, params[name])
 
 
 def _gather(group: FSDPParamGroup, *shards: torch.Tensor) -> list[torch.Tensor]:
