@@ -88,8 +88,9 @@ def pack(group: FSDPParamGroup, plain: torch.Tensor) -> tuple[torch.Tensor, Pack
             fsdp_param.module,
             group.mp_policy,
         )
+        inputs = [_pad_rows(fsdp_param, t.to(group.device)) for t in inputs]
         packing.append((metadata, [(t.dtype, t.shape) for t in inputs]))
-        parts.extend(t.to(group.device) for t in inputs)
+        parts.extend(inputs)
     send = torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in parts])
     return send, packing
 
@@ -106,14 +107,45 @@ def unpack(group: FSDPParamGroup, gathered: torch.Tensor, packing: Packing) -> t
     plain_bytes = group.plain_numel * group.unsharded_flat.element_size()
     start = plain_bytes
     for fsdp_param, (metadata, specs) in zip(group.ext_params, packing, strict=True):
-        outputs = []
-        for dtype, shape in specs:
+        outputs = _outputs(fsdp_param, specs, world)
+        for out, (dtype, shape) in zip(outputs, specs, strict=True):
             nbytes = math.prod(shape) * dtype.itemsize
-            piece = rows[:, start : start + nbytes].contiguous().view(dtype)
+            # Autograd may have saved these (as the parameter's inner tensors) in forward.
+            with torch.autograd._unsafe_preserve_version_counter(out):  # type: ignore[attr-defined]
+                out.view(-1).view(torch.uint8).view(world, nbytes).copy_(
+                    rows[:, start : start + nbytes]
+                )
             start += nbytes
-            outputs.append(piece.view(world * shape[0], *shape[1:]) if shape else piece)
-        _rebuild_unsharded(fsdp_param, tuple(outputs), metadata, fsdp_param.param_dtype)
+        _rebuild_unsharded(fsdp_param, outputs, metadata, fsdp_param.param_dtype)
     return rows[:, :plain_bytes]
+
+
+def _pad_rows(fsdp_param: FSDPParam, tensor: torch.Tensor) -> torch.Tensor:
+    """An input that follows the shard's rows, padded with zero rows to the chunk every rank
+    sends, where dim 0 does not split evenly (a hook may also pad it itself, from outer_size)."""
+    rows, chunk = fsdp_param.local_shape[:1], fsdp_param.chunk_rows
+    if not rows or tensor.dim() == 0 or tensor.shape[0] != rows[0] or rows[0] == chunk:
+        return tensor
+    padded = tensor.new_zeros(chunk, *tensor.shape[1:])
+    padded[: rows[0]] = tensor
+    return padded
+
+
+def _outputs(
+    fsdp_param: FSDPParam, specs: list[tuple[torch.dtype, torch.Size]], world: int
+) -> tuple[torch.Tensor, ...]:
+    """The post hook's inputs, every rank's inputs concatenated along dim 0: allocated at the
+    first gather and regrown (after ``free``) at later ones, so a hook that keeps them as its
+    inner tensors sees every gather's values."""
+    shapes = [(dtype, (world * s[0], *s[1:]) if s else (world,)) for dtype, s in specs]
+    kept = fsdp_param.ext_outputs
+    if kept is None or [(t.dtype, tuple(t.shape)) for t in kept] != shapes:
+        kept = [torch.empty(shape, dtype=dtype, device=fsdp_param.group.device) for dtype, shape in shapes]
+        fsdp_param.ext_outputs = kept
+        fsdp_param.ext_inner = None  # new outputs: the post hook builds the parameter again
+    for tensor in kept:
+        tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+    return tuple(kept)
 
 
 def _rebuild_unsharded(
@@ -123,6 +155,8 @@ def _rebuild_unsharded(
     if fsdp_param.ext_inner is None:
         tensor, inner = local.fsdp_post_all_gather(outputs, metadata, dtype)
         fsdp_param.ext_inner = [(t, t.untyped_storage().nbytes()) for t in inner]
+        if tensor.shape != fsdp_param.shape:  # padded rows (uneven dim 0): cut them off
+            tensor = torch.as_strided(tensor, fsdp_param.shape, _contiguous(fsdp_param.shape), 0)
         fsdp_param.adopt_unsharded(nn.Parameter(tensor, requires_grad=fsdp_param.requires_grad))
         return
     for tensor, nbytes in fsdp_param.ext_inner:
@@ -130,6 +164,14 @@ def _rebuild_unsharded(
     # Refilling the very tensor autograd saved in forward (see [Note: freeing unsharded storage]).
     with torch.autograd._unsafe_preserve_version_counter(fsdp_param.unsharded_param):  # type: ignore[attr-defined]
         local.fsdp_post_all_gather(outputs, metadata, dtype, out=fsdp_param.unsharded_param)
+
+
+def _contiguous(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _subclass_view(fsdp_param: FSDPParam) -> _Extension:
@@ -145,4 +187,6 @@ def _subclass_view(fsdp_param: FSDPParam) -> _Extension:
 
 def free(fsdp_param: FSDPParam) -> None:
     for tensor, _ in fsdp_param.ext_inner or ():
+        tensor.untyped_storage().resize_(0)
+    for tensor in fsdp_param.ext_outputs or ():
         tensor.untyped_storage().resize_(0)

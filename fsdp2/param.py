@@ -28,6 +28,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.utils import dlpack
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fsdp2.extension import has_extension
 from fsdp2.mesh import MeshInfo, sharded_layout
@@ -82,7 +83,13 @@ class FSDPParam:
         local = param._local_tensor if isinstance(param, DTensor) else param
         self.subclass = type(local) if has_extension(local) else None
         self.extension = self.subclass is not None
+        # A wrapper subclass (its data in inner tensors, as torchao's float8 and NF4 weights) has
+        # no storage of its own to view the flat buffer through: its shard lives outside it.
+        self.wrapper = self.extension and is_traceable_wrapper_subclass(local)
         self.ext_inner: list[tuple[torch.Tensor, int]] | None = None
+        # The gathered inputs handed to the post hook, kept across gathers: a hook may keep them
+        # as the unsharded parameter's inner tensors and refill nothing itself (out=).
+        self.ext_outputs: list[torch.Tensor] | None = None
         self.module = slots[0][0]  # handed to fsdp_pre_all_gather
         self.on_grad_ready: Callable[[torch.Tensor], None] | None = None
         # Set by the group once the layout is fixed.
@@ -168,21 +175,28 @@ class FSDPParam:
 
     def init_sharded(self, flat: torch.Tensor, info: MeshInfo, full: torch.Tensor | None) -> None:
         """Make the sharded parameter view its chunk of ``flat``, filled with this rank's rows of
-        ``full``, or (``full=None``) with the current sharded parameter's values."""
-        local = own_storage(typed(flat, self.offset, self.local_numel, self.dtype))
-        self.local_storage = local.untyped_storage()  # what in_buffer() recognises
-        local = local.view(self.local_shape)
-        if self.subclass is not None:
-            local = local.as_subclass(self.subclass)  # same storage, the user's subclass
+        ``full``, or (``full=None``) with the current sharded parameter's values. A wrapper
+        subclass's shard is a tensor of its own instead (``_wrapper_shard``)."""
+        if self.wrapper:
+            local = self._wrapper_shard(flat.device, full)
+        else:
+            local = own_storage(typed(flat, self.offset, self.local_numel, self.dtype))
+            self.local_storage = local.untyped_storage()  # what in_buffer() recognises
+            local = local.view(self.local_shape)
+            if self.subclass is not None:
+                local = local.as_subclass(self.subclass)  # same storage, the user's subclass
+        self.local_tensor = local
         if full is None:
             owner = getattr(self.sharded_param, "_fsdp2_owner", None) or self.owner
-            with torch.no_grad():
-                local.copy_(self.sharded_param._local_tensor)  # type: ignore[attr-defined]
+            current = self.sharded_param._local_tensor  # type: ignore[attr-defined]
+            if local is not current:
+                with torch.no_grad():
+                    local.copy_(current)
             # Keep the Parameter object (optimizers and users hold it); swap what it wraps.
             self.sharded_param._local_tensor = local  # type: ignore[attr-defined]
             self.sharded_param._fsdp2_owner = owner  # type: ignore[attr-defined]
             return
-        if full.device.type != "meta":
+        if full.device.type != "meta" and not self.wrapper:
             with torch.no_grad():
                 local.copy_(self.shard_of(full))
         dtensor = DTensor.from_local(
@@ -195,6 +209,17 @@ class FSDPParam:
         )
         self.sharded_param = nn.Parameter(dtensor, requires_grad=self.requires_grad)
         self.sharded_param._fsdp2_owner = self.owner  # type: ignore[attr-defined]
+        self.local_tensor = self.sharded_param._local_tensor  # type: ignore[attr-defined]
+
+    def _wrapper_shard(self, device: torch.device, full: torch.Tensor | None) -> torch.Tensor:
+        """A wrapper subclass's shard: this rank's rows of ``full`` cut through the subclass (so
+        its inner tensors are cut alike) and copied, so that it owns exactly its bytes; or, on
+        a re-pack, the current shard as it is."""
+        if full is None:
+            local: torch.Tensor = self.sharded_param._local_tensor  # type: ignore[attr-defined]
+            return local
+        with torch.no_grad():
+            return self.shard_of(full).to(device, copy=True)
 
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a full (global) tensor of this parameter's shape."""
@@ -318,8 +343,11 @@ class FSDPParam:
     def in_buffer(self) -> bool:
         """Whether the sharded parameter's local tensor is still the one ``init_sharded`` made
         (and not one ``module.to(...)``, ``to_empty`` or ``load_state_dict(assign=True)`` put in
-        its place): by storage identity, as data pointers are 0 on meta and for empty shards."""
+        its place): by storage identity, as data pointers are 0 on meta and for empty shards;
+        a wrapper subclass's shard (outside the buffer) by tensor identity."""
         local = self.sharded_param._local_tensor  # type: ignore[attr-defined]
+        if self.wrapper:
+            return bool(local is self.local_tensor and local.dtype == self.dtype)
         return bool(
             local.untyped_storage()._cdata == self.local_storage._cdata
             and local.dtype == self.dtype

@@ -112,11 +112,19 @@ class FSDPParamGroup(GradientReduction):
             fsdp_param.plan(info)
         self._set_dtypes()
         # Decided from shapes, not this rank's shard, so that every rank raises alike.
-        uneven = [p.fqn for p in self.ext_params if any(n % self.world for n in p.piece_sizes())]
+        # Uneven dim 0 is padded (extension.pack); other dims and tensor-parallel pieces are not.
+        uneven = [
+            p.fqn
+            for p in self.ext_params
+            if (p.dim or p.outer_spec is not None)
+            and any(n % self.world for n in p.piece_sizes())
+        ]
         if uneven:
             raise NotImplementedError(
-                f"{', '.join(uneven)}: all-gather extension parameters must split evenly over "
-                f"the {self.world} shard ranks (every rank's inputs the same size)"
+                f"{', '.join(uneven)}: all-gather extension parameters sharded on a dim other "
+                f"than 0, or tensor parallel, must split evenly over the {self.world} shard "
+                "ranks (every rank's inputs the same size); make that size divisible, or "
+                "shard dim 0"
             )
         fulls = [full_tensors[i] for i in order]
         if any(full.device.type == "meta" for full in fulls):
@@ -187,6 +195,7 @@ class FSDPParamGroup(GradientReduction):
                 torch.empty(0), requires_grad=fsdp_param.requires_grad
             )
             fsdp_param.ext_inner = None  # extension parameters: built by their post hook
+            fsdp_param.ext_outputs = None
         self.unsharded_flat = self.sharded_flat if self.alias else None
         self._copy_out: list[torch.Tensor] = []
         if self.alias:
@@ -243,7 +252,7 @@ class FSDPParamGroup(GradientReduction):
         # The shard's plain prefix is what a gather without casts sends: the same layout. Chunks
         # not sent as they are may start anywhere: at 16 bytes, aligned for any dtype.
         offset = 0
-        for p in self.plain_params + self.ext_params:
+        for p in self.plain_params + [p for p in self.ext_params if not p.wrapper]:
             if self.mixed and (self._cast_each or p.extension):
                 offset = -(-offset // 16) * 16
             p.offset = offset
