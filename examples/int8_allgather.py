@@ -50,7 +50,9 @@ class Int8GatherWeight(torch.Tensor):
         full = quantised.to(param_dtype) * scale[:, None].to(param_dtype)
         if out is not None:  # later gathers refill the same unsharded tensor in place
             with torch.no_grad():
-                out.copy_(full)
+                # Rows that do not split evenly over the ranks arrive padded; ``out`` is the
+                # parameter cut back to its real rows.
+                out.copy_(full[: out.shape[0]])
             return None
         return full, (full,)
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import Shard
 
 from tests.harness import run_on_ranks
 
@@ -67,23 +68,51 @@ def test_int8_gather_moves_a_quarter_of_the_bytes_and_still_converges(steps: int
     assert abs(last - plain["losses"][-1]) < 0.15 * plain["losses"][-1], (last, plain["losses"])
 
 
-def _uneven_extension() -> str:
+def _uneven_extension() -> list[bool]:
+    """3 rows over 2 ranks: each rank's int8 rows and scales are padded to the chunk, and the
+    gathered weight is cut back to 3 rows, dequantised exactly as the full weight would be."""
+    import fsdp2
+    from examples.int8_allgather import Int8GatherWeight, int8_gathered
+
+    torch.manual_seed(0)
+    model = int8_gathered(nn.Sequential(nn.Linear(4, 3)))
+    full = model[0].weight.detach().clone()
+    fsdp2.fully_shard(model)
+    checks = []
+    for _ in range(2):  # the first gather builds the weight, the second refills it (out=)
+        model.unshard()
+        (quantised, scale), _ = full.as_subclass(Int8GatherWeight).fsdp_pre_all_gather(
+            None, full.shape, full.stride(), model, None
+        )
+        # Bitwise: per-row quantisation, the same operations on the same rows.
+        dequantised = quantised.float() * scale[:, None]
+        checks.append(torch.equal(model[0].weight.detach(), dequantised))
+        model(torch.randn(2, 4)).sum().backward()
+        model.reshard()
+    return checks
+
+
+def test_uneven_extension_parameter_is_padded_and_cut_back() -> None:
+    assert run_on_ranks(WORLD, _uneven_extension) == [[True, True]] * WORLD
+
+
+def _uneven_extension_other_dim() -> str:
     import fsdp2
     from examples.int8_allgather import int8_gathered
+    from tests.errors import raised
 
-    model = int8_gathered(nn.Sequential(nn.Linear(4, 3)))  # 3 rows over 2 ranks
-    try:
-        fsdp2.fully_shard(model)
-    except NotImplementedError as error:
-        return str(error)
-    return "no error"
+    model = int8_gathered(nn.Sequential(nn.Linear(3, 4)))  # dim 1: 3 columns over 2 ranks
+    return raised(lambda: fsdp2.fully_shard(model, shard_placement_fn=lambda p: Shard(p.dim() - 1)))
 
 
-def test_uneven_extension_parameter_is_refused() -> None:
-    message = run_on_ranks(WORLD, _uneven_extension)[0]
-    assert message.startswith("0.weight: all-gather extension parameters must split evenly"), (
-        message
-    )
+def test_uneven_extension_parameter_on_another_dim_is_refused() -> None:
+    messages = run_on_ranks(WORLD, _uneven_extension_other_dim)
+    assert messages == [messages[0]] * WORLD  # every rank raises, alike
+    assert messages[0] == (
+        "NotImplementedError: 0.weight: all-gather extension parameters sharded on a dim "
+        "other than 0, or tensor parallel, must split evenly over the 2 shard ranks (every "
+        "rank's inputs the same size); make that size divisible, or shard dim 0"
+    ), messages[0]
 
 
 def _low_precision_reduce(comm_dtype: torch.dtype) -> dict[str, object]:
