@@ -140,7 +140,10 @@ def _outputs(
     shapes = [(dtype, (world * s[0], *s[1:]) if s else (world,)) for dtype, s in specs]
     kept = fsdp_param.ext_outputs
     if kept is None or [(t.dtype, tuple(t.shape)) for t in kept] != shapes:
-        kept = [torch.empty(shape, dtype=dtype, device=fsdp_param.group.device) for dtype, shape in shapes]
+        kept = [
+            torch.empty(shape, dtype=dtype, device=fsdp_param.group.device)
+            for dtype, shape in shapes
+        ]
         fsdp_param.ext_outputs = kept
         fsdp_param.ext_inner = None  # new outputs: the post hook builds the parameter again
     for tensor in kept:

@@ -116,8 +116,7 @@ class FSDPParamGroup(GradientReduction):
         uneven = [
             p.fqn
             for p in self.ext_params
-            if (p.dim or p.outer_spec is not None)
-            and any(n % self.world for n in p.piece_sizes())
+            if (p.dim or p.outer_spec is not None) and any(n % self.world for n in p.piece_sizes())
         ]
         if uneven:
             raise NotImplementedError(

@@ -42,9 +42,7 @@ class PaddedBF16Weight(torch.Tensor):
         return PaddedBF16Weight(inner["_data"])
 
     @classmethod
-    def __torch_dispatch__(
-        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
-    ) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         def unwrap(t: Any) -> Any:
             return t._data if isinstance(t, cls) else t
 
@@ -148,8 +146,9 @@ def _reload(model: nn.Module, kind: str, rows: int) -> bool:
     pairs = zip(model.parameters(), other.parameters(), strict=True)
     # Bitwise: the same shards, copied, run the same operations in the same process.
     same_shards = all(
-        all(torch.equal(a, b) for a, b in zip(_parts(p.to_local()), _parts(q.to_local())))
+        torch.equal(a, b)
         for p, q in pairs
+        for a, b in zip(_parts(p.to_local()), _parts(q.to_local()), strict=True)
     )
     x = torch.randn(3, 8)
     with torch.no_grad():
@@ -213,5 +212,3 @@ def _uneven_two_tensor(rows: int) -> dict[str, Any]:
 @pytest.mark.parametrize("world", [2, 4])
 def test_uneven_wrapper_extension_pads_its_inputs(world: int) -> None:
     assert run_on_ranks(world, _uneven_two_tensor, 7) == [{"ok": True}] * world
-
-
