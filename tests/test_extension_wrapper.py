@@ -212,3 +212,27 @@ def _uneven_two_tensor(rows: int) -> dict[str, Any]:
 @pytest.mark.parametrize("world", [2, 4])
 def test_uneven_wrapper_extension_pads_its_inputs(world: int) -> None:
     assert run_on_ranks(world, _uneven_two_tensor, 7) == [{"ok": True}] * world
+
+
+def _meta_init(impl: str) -> list[torch.Tensor]:
+    """Built on meta, materialised by ``to_empty`` (the shards are re-packed), then filled."""
+    from tests.harness import fsdp_api
+
+    api = fsdp_api(impl)
+    with torch.device("meta"):
+        model = _model("bf16", 7)
+    api.fully_shard(model[0])
+    api.fully_shard(model)
+    model.to_empty(device="cpu")
+    torch.manual_seed(dist.get_rank())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().copy_(torch.randn(p.to_local().shape))
+    out = model(torch.ones(2, 8))
+    out.sum().backward()
+    return [_parts(out)[0]] + [p.grad.to_local() for p in model.parameters()]
+
+
+def test_wrapper_extension_meta_init_matches_torch() -> None:
+    ours, theirs = run_on_ranks(2, _meta_init, "fsdp2"), run_on_ranks(2, _meta_init, "torch")
+    assert_fp32_close(ours, theirs)
