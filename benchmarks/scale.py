@@ -68,7 +68,9 @@ cpu_memory = CPUMemory()
 
 
 def local_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes of this rank's storage behind `tensors` (padding included), each storage once."""
+    """Bytes of the storages behind `tensors`, each storage once. torch's shards sit in padded
+    per-parameter storages (padding counted); fsdp2's own exactly their rows (their padding lives
+    in the group's flat buffer, which `allocated_bytes` counts)."""
     storages = {}
     for t in tensors:
         local = t.to_local() if isinstance(t, DTensor) else t
