@@ -74,9 +74,9 @@ class Net(nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
             x = block(x)
-        # Under bf16 mixed precision the cast is a no-op: autograd saves the unsharded frozen
-        # parameter itself and reads it after the head's gradients are in (see inputs.py).
-        norm = self.frozen_norm.to(x.dtype)
+        # A copy of the frozen weight: autograd saving the unsharded parameter itself, used
+        # after the group's last gradient, reads freed storage (a separate, dtype-agnostic bug).
+        norm = self.frozen_norm.to(x.dtype, copy=True)
         return F.mse_loss(self.head(x * norm).float(), y.float())
 
 
