@@ -12,8 +12,11 @@ So a group reshards only once its module's backward is done as well: each forwar
 enabled hooks the tensors among its inputs that require grad, and the module is done in a graph
 task once every call's hooks have fired in that task. A call whose inputs need no gradient gets no
 hook: every node it leaves in the graph leads to one of its trainable parameters, whose
-``AccumulateGrad`` runs after it. A call whose hooks never fire (its inputs not needed by this
-backward) keeps the group gathered until the end of backward: memory, never correctness.
+``AccumulateGrad`` runs after it, unless other sharded modules ran inside the call (the root
+around its blocks): then its nodes also lead to their parameters, and the call is held until the
+end of backward, as torch does for every call without input gradients. A call whose hooks
+never fire (its inputs not needed by this backward) keeps the group gathered until the end of
+backward: memory, never correctness.
 
 The hook runs first among its tensor's hooks, before the pre-backward hook of the module that
 produced the tensor, so that a block reshards before the block before it gathers.
@@ -70,9 +73,9 @@ class InputHooks:
         self._generation = 0  # bumped when records are dropped: older hooks do nothing
         self._round: object = None
 
-    def hook(self, inputs: Any, round_key: object) -> None:
+    def hook(self, inputs: Any, round_key: object) -> bool:
         """At a forward call with grad enabled. ``round_key`` names the forward-backward round;
-        records of an older round are dropped first."""
+        records of an older round are dropped first. Whether any input requires grad."""
         if round_key != self._round:
             self._round = round_key
             self.clear()
@@ -83,12 +86,17 @@ class InputHooks:
                 seen.add(id(t))
                 tensors.append(t)
         if not tensors:
-            return
+            return False
         index = len(self._calls)
         self._calls.append(_Call([get_gradient_edge(t).node for t in tensors]))
         fn = partial(self._fired, self._generation, index)
         for t in tensors:
             self._handles.append(_prepend_hook(t, fn))
+        return True
+
+    def hold(self) -> None:
+        """Record a call that is never done before the end of backward."""
+        self._calls.append(_Call([]))
 
     def clear(self) -> None:
         for handle in self._handles:

@@ -85,6 +85,7 @@ class IterContext:
         self.reduced: list[tuple[FSDPParam, torch.Tensor]] = []
         self.callback_queued = False
         self.num_backwards = 0  # ends of backward so far: with the iteration, names a round
+        self.num_forwards = 0  # sharded forward calls so far: which ran inside which
         self.is_last_backward = True
         self.post_optim_event: torch.Event | None = None
 
@@ -143,6 +144,8 @@ class IterContext:
                     and group.trainable
                 )
             ):
+                if group.reshard_after_backward and not keep_gathered:
+                    group.reshard()  # first, as in _finish_if_done: free before the collective
                 self.add_reduce(group.reduce_grads(), max_in_flight=1_000_000)
         if self.is_last_backward:
             while self.in_flight:
@@ -208,6 +211,8 @@ class FSDPState:
         self._yet_to_run: set[int] = set()
         self._yet_to_run_in = -1  # the iteration that set was started in
         self.inputs = InputHooks(self._inputs_done)  # see [Note: when a module's backward is done]
+        self._call_start = 0  # ctx.num_forwards when this state's current forward call began
+        self._call_unhooked = False  # that call runs with grad, but no input requires it
         for group in groups:
             group.on_grads_ready = partial(self._post_backward, group)
 
@@ -277,8 +282,11 @@ class FSDPState:
         for group in self.groups:
             group.wait_for_unshard()
             ctx.record(group)
-        if torch.is_grad_enabled():
-            self.inputs.hook((args, kwargs), (ctx.iteration, ctx.num_backwards))
+        ctx.num_forwards += 1
+        self._call_start = ctx.num_forwards
+        self._call_unhooked = torch.is_grad_enabled() and not self.inputs.hook(
+            (args, kwargs), (ctx.iteration, ctx.num_backwards)
+        )
         if self.forward_prefetch is not None:
             for target in self.forward_prefetch:
                 target.unshard()
@@ -300,6 +308,11 @@ class FSDPState:
             return output
         if self.groups:
             _trace("post_forward", self.fqn)
+            if self._call_unhooked and self.require_ctx().num_forwards != self._call_start:
+                # Inputs without gradients, but sharded modules ran inside: nodes of this call
+                # (a frozen parameter scaling their outputs) lead to their parameters, not ours,
+                # so nothing here says when they are done; wait for the end of backward.
+                self.inputs.hold()
             every_member_ran = self._member_ran(module)
             for group in self.groups:
                 if not grad_enabled:

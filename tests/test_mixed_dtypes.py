@@ -74,9 +74,10 @@ class Net(nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
             x = block(x)
-        # A copy of the frozen weight: autograd saving the unsharded parameter itself, used
-        # after the group's last gradient, reads freed storage (a separate, dtype-agnostic bug).
-        norm = self.frozen_norm.to(x.dtype, copy=True)
+        # Under bf16 mixed precision the cast is a no-op: autograd saves the root's unsharded
+        # frozen parameter itself and reads it after the head's gradients are in, to compute
+        # the blocks' output gradient (see inputs.py: the root's call is held).
+        norm = self.frozen_norm.to(x.dtype)
         return F.mse_loss(self.head(x * norm).float(), y.float())
 
 
