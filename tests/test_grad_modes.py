@@ -74,15 +74,16 @@ def _backward_order(order: list[tuple[str, str]]) -> Iterator[None]:
     order.extend((r.kind, r.label) for r in records)
 
 
-# Backward of LoopStack (blocks reshard after forward, the root keeps its head): the head's
-# gradients come first, then each block is gathered and reduced before the next one's gather.
+# Backward of LoopStack (blocks reshard after forward, the root keeps its head): each block is
+# gathered and reduced before the next one's gather; the root, whose inputs need no gradient and
+# which runs the blocks inside its forward, is reduced at the end of backward (as in torch).
 BACKWARD_ORDER = [
-    ("reduce_scatter", ""),
     *[
         (kind, f"blocks.{i}")
         for i in reversed(range(NUM_BLOCKS))
         for kind in ("all_gather", "reduce_scatter")
     ],
+    ("reduce_scatter", ""),
 ]
 
 
