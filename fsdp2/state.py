@@ -136,7 +136,12 @@ class IterContext:
         _trace("end_of_backward", "")
         keep_gathered = torch.is_grad_enabled()
         for group in self.groups:
-            if group.reduce_grads_enabled and (
+            if not group.reduce_grads_enabled:
+                # A group whose module's backward did not finish in this backward (a list group
+                # where only one module ran: torchtitan's chunked loss on [norm, lm_head]) has not
+                # stashed yet; left in .grad, the next micro-step would sum in param_dtype.
+                group.stash_grads()
+            elif (
                 group.has_unreduced_grads()
                 or (
                     group.reduce_scatter_unused

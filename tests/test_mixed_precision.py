@@ -12,7 +12,7 @@ the whole batch at once, they agree to bf16 rounding of the per-rank partial sum
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -314,6 +314,60 @@ def test_accumulation_keeps_sum_in_reduce_dtype(
 ) -> None:
     for grad in run_on_ranks(2, _accumulate, impl, reduce_dtype):
         assert grad == [expected] * 4
+
+
+class Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.s
+
+
+class ChunkedHead(nn.Module):
+    """torchtitan's chunked loss: ``fully_shard([norm, head])``; ``norm`` runs in the model's
+    forward, then each chunk calls ``head`` on a detached input and backpropagates it at once,
+    without gradient sync but the last; the model's backward comes after. So the chunks'
+    backwards finish ``head`` but never the group's other module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = Scale()
+        self.head = Probe()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x)
+
+
+def _chunked_accumulate(impl: str, input_grad: bool) -> list[float]:
+    model = ChunkedHead()
+    api = fsdp_api(impl)
+    mp = api.MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32)
+    api.fully_shard([model.norm, model.head], mp_policy=mp)
+    api.fully_shard(model, mp_policy=mp)
+    hidden = model(torch.ones(4, requires_grad=True))
+    coefficients = [1.0] + [TINY] * NUM_TINY
+    head = cast(Any, model.head)
+    for micro, c in enumerate(coefficients):
+        head.set_requires_gradient_sync(micro == len(coefficients) - 1, recurse=False)
+        head(torch.full((4,), c, requires_grad=input_grad)).backward()
+    hidden.sum().backward()
+    assert model.head.w.grad is not None and model.head.w.grad.dtype == FP32
+    return model.head.w.grad.full_tensor().tolist()
+
+
+@pytest.mark.parametrize(
+    ("impl", "input_grad"), [("fsdp2", True), ("torch", True), ("fsdp2", False)]
+)
+def test_accumulation_in_reduce_dtype_when_only_part_of_a_group_ran(
+    impl: str, input_grad: bool
+) -> None:
+    """The tiny chunks must survive in fp32 (in bf16, 1 + 2**-9 rounds back to 1). torch 2.13
+    keeps them only when the chunk's input requires grad (torchtitan's case): without, its
+    post-backward never runs for the chunk and they are summed in bf16."""
+    for grad in run_on_ranks(2, _chunked_accumulate, impl, input_grad):
+        assert grad == [1 + NUM_TINY * TINY] * 4
 
 
 # ---------------------------------------------------------------------------------------------
