@@ -8,6 +8,7 @@ from fsdp2.api import (
     replicate,
     share_comm_ctx,
 )
+from fsdp2.auto import AutoShardResult, auto_shard
 from fsdp2.full_params import summon_full_params
 from fsdp2.grad_scaler import ShardedGradScaler
 from fsdp2.policies import (
@@ -19,6 +20,7 @@ from fsdp2.policies import (
 from fsdp2.swap import patch_torch_fsdp
 
 __all__ = [
+    "AutoShardResult",
     "CPUOffloadPolicy",
     "DataParallelMeshDims",
     "FSDPModule",
@@ -26,6 +28,7 @@ __all__ = [
     "OffloadPolicy",
     "ShardedGradScaler",
     "UnshardHandle",
+    "auto_shard",
     "fully_shard",
     "patch_torch_fsdp",
     "register_fsdp_forward_method",

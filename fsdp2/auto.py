@@ -1,0 +1,311 @@
+"""auto_shard: find a model's repeated blocks and ``fully_shard`` them, then the root.
+
+FSDP2 has no auto-wrap policy: every training stack writes the same loop by hand (each
+transformer block, then the root). `auto_shard` writes it from the module structure alone, so it
+decides the same on every rank and works on the meta device. It returns the calls it made as an
+`AutoShardResult`, which prints as a table and replays onto a fresh copy of the model.
+
+How the blocks are chosen (without ``block_types``):
+- A *run* is the children of one container (``ModuleList``, ``Sequential``, ``ModuleDict``) that
+  share a class: at least two of them, or the single child of a ``ModuleList``/``ModuleDict``
+  (a one-layer configuration of a layer list).
+- Runs are taken largest first (by parameter count). A run inside a block already taken is part
+  of that block (experts inside a layer); a run smaller than one block of the largest run is not
+  worth its own all-gathers and stays with its parent. So a decoder gets its layers, an
+  encoder-decoder both layer lists, and ``LlamaForCausalLM`` its ``model.layers``.
+
+A block that shares a parameter (tied weights) or a submodule with anything outside it is not
+sharded on its own: its parameters stay with the nearest sharded ancestor, which holds every use,
+so a tied parameter always lives in exactly one group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+from fsdp2.module import state_of
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+# Module classes fully_shard cannot take (no forward to hook): never blocks.
+_NOT_BLOCKS = (nn.ModuleList, nn.ModuleDict)
+BlockTypes = Sequence[type[nn.Module] | str] | set[type[nn.Module] | str]
+
+
+@dataclass(frozen=True)
+class ShardCall:
+    """One ``fully_shard(model.get_submodule(fqn), **kwargs)`` call."""
+
+    fqn: str
+    """The module's name in the model ("" for the root)."""
+    kwargs: dict[str, Any]
+    """Every keyword argument of the call, the common ones included."""
+    numel: int
+    """Parameter elements this call claims: its group's unsharded size."""
+
+
+@dataclass(frozen=True)
+class AutoShardResult:
+    """What `auto_shard` did: the ``fully_shard`` calls in order (bottom-up, root last)."""
+
+    calls: tuple[ShardCall, ...]
+    common: dict[str, Any]
+    """The keyword arguments every call got (``mesh`` and the caller's ``fully_shard_kwargs``)."""
+    skipped: tuple[tuple[str, str], ...] = field(default=())
+    """(fqn, why) for each block that was not sharded on its own."""
+
+    def __iter__(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        """(fqn, kwargs) per call: ``for fqn, kw in result: fully_shard(m.get_submodule(fqn), **kw)``."""
+        return iter([(c.fqn, dict(c.kwargs)) for c in self.calls])
+
+    def apply(self, model: nn.Module, fully_shard: Callable[..., Any] | None = None) -> None:
+        """Make the same calls on ``model`` (a fresh copy of the same structure). ``fully_shard``:
+        whose implementation to call (e.g. torch's, to compare); fsdp2's by default."""
+        if fully_shard is None:
+            from fsdp2.api import fully_shard
+        modules = [_submodule(model, c.fqn) for c in self.calls]  # all found before any call
+        for module, call in zip(modules, self.calls, strict=True):
+            fully_shard(module, **call.kwargs)
+
+    def __str__(self) -> str:
+        rows = [("module", "params", "options")]
+        for c in self.calls:
+            own = {k: v for k, v in c.kwargs.items() if k not in self.common}
+            options = ", ".join(f"{k}={v!r}" for k, v in own.items()) or "-"
+            rows.append((c.fqn or "<root>", f"{c.numel:,}", options))
+        widths = [max(len(r[i]) for r in rows) for i in range(2)]
+        lines = [f"auto_shard: {len(self.calls)} fully_shard calls, bottom-up"]
+        for name, numel, options in rows:
+            lines.append(f"  {name:<{widths[0]}}  {numel:>{widths[1]}}  {options}")
+        if self.common:
+            common = ", ".join(f"{k}={v!r}" for k, v in self.common.items())
+            lines.append(f"every call also gets: {common}")
+        lines += [f"not sharded on its own: {fqn} ({why})" for fqn, why in self.skipped]
+        if len(self.calls) == 1 and not self.skipped:
+            lines.append("no repeated blocks found: the root holds every parameter")
+        return "\n".join(lines)
+
+
+def auto_shard(
+    model: nn.Module,
+    *,
+    mesh: Any = None,
+    block_types: BlockTypes | None = None,
+    **fully_shard_kwargs: Any,
+) -> AutoShardResult:
+    """``fully_shard`` each repeated block of ``model`` (bottom-up), then ``model``; return the
+    calls made.
+
+    ``block_types``: classes (or class names) whose instances are the blocks; by default the
+    largest runs of same-class children of a ``ModuleList``/``Sequential``/``ModuleDict`` (see
+    the module docstring). ``mesh`` and ``fully_shard_kwargs`` go to every call. Without an
+    explicit ``reshard_after_forward``, blocks reshard after forward except the last one, whose
+    parameters backward needs first (the root keeps fully_shard's default).
+    """
+    result = plan_auto_shard(model, mesh=mesh, block_types=block_types, **fully_shard_kwargs)
+    result.apply(model)
+    return result
+
+
+def plan_auto_shard(
+    model: nn.Module,
+    *,
+    mesh: Any = None,
+    block_types: BlockTypes | None = None,
+    **fully_shard_kwargs: Any,
+) -> AutoShardResult:
+    """What `auto_shard` would call, without calling it (nothing is modified)."""
+    _check_model(model)
+    common = dict(fully_shard_kwargs)
+    if mesh is not None:
+        common = {"mesh": mesh, **common}
+    if block_types is None:
+        candidates = _repeated_blocks(model)
+    else:
+        candidates = _blocks_of_types(model, _check_block_types(block_types))
+    blocks, skipped = _untied(model, candidates)
+    calls_kwargs = [dict(common) for _ in blocks]
+    if "reshard_after_forward" not in common and blocks:
+        for kwargs in calls_kwargs:
+            kwargs["reshard_after_forward"] = True
+        # The last block's backward runs first: resharding it would gather it right back.
+        calls_kwargs[-1]["reshard_after_forward"] = False
+    calls_kwargs.append(dict(common))
+    numels = _claimed_numels(model, [*blocks, ""])
+    calls = tuple(
+        ShardCall(fqn, kw, n)
+        for fqn, kw, n in zip([*blocks, ""], calls_kwargs, numels, strict=True)
+    )
+    return AutoShardResult(calls=calls, common=common, skipped=tuple(skipped))
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks (from the module structure, which every rank shares)
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_model(model: nn.Module) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"auto_shard expects an nn.Module, got {type(model).__name__}")
+    for fqn, module in model.named_modules():
+        if state_of(module) is not None or isinstance(module, TorchFSDPModule):
+            raise ValueError(
+                f"auto_shard: module {fqn or '<root>'!r} ({type(module).__name__}) is already "
+                "sharded; auto_shard makes every fully_shard call itself: give it a model that "
+                "fully_shard was not applied to, or shard this one by hand"
+            )
+    if next(model.parameters(), None) is None:
+        raise ValueError(
+            f"auto_shard: {type(model).__name__} has no parameters, so there is nothing to "
+            "shard; build the model before sharding it"
+        )
+
+
+def _check_block_types(block_types: BlockTypes) -> tuple[tuple[type, ...], frozenset[str]]:
+    if isinstance(block_types, (str, type)):
+        block_types = [block_types]
+    classes, names = [], []
+    for t in block_types:
+        if isinstance(t, str):
+            names.append(t)
+        elif isinstance(t, type) and issubclass(t, nn.Module):
+            classes.append(t)
+        else:
+            raise TypeError(
+                "auto_shard: block_types must hold nn.Module subclasses or class names, got "
+                f"{t!r}; e.g. block_types={{TransformerBlock}}"
+            )
+    return tuple(classes), frozenset(names)
+
+
+# ---------------------------------------------------------------------------------------------
+# Choosing the blocks
+# ---------------------------------------------------------------------------------------------
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _inside(fqn: str, ancestor: str) -> bool:
+    """``fqn`` names ``ancestor`` or a module below it."""
+    return ancestor == "" or fqn == ancestor or fqn.startswith(ancestor + ".")
+
+
+def _runs(model: nn.Module) -> list[list[str]]:
+    """Each container's children grouped by class: the runs (child FQNs) that may be blocks."""
+    runs = []
+    for fqn, container in model.named_modules():
+        if not isinstance(container, _CONTAINERS):
+            continue
+        by_class: dict[type, list[str]] = {}
+        for name, child in container.named_children():
+            if not isinstance(child, _NOT_BLOCKS) and _numel(child) > 0:
+                by_class.setdefault(type(child), []).append(f"{fqn}.{name}" if fqn else name)
+        for children in by_class.values():
+            single_layer_list = isinstance(container, _NOT_BLOCKS) and len(container) == 1
+            if len(children) >= 2 or single_layer_list:
+                runs.append(children)
+    return runs
+
+
+def _repeated_blocks(model: nn.Module) -> list[str]:
+    """The largest runs' blocks, in module order."""
+    sizes = {
+        tuple(run): sum(_numel(model.get_submodule(f)) for f in run) for run in _runs(model)
+    }
+    # Largest first; on a tie the outer run (shorter names) first, so it takes the inner one.
+    order = sorted(sizes, key=lambda run: (-sizes[run], run[0].count(".")))
+    chosen: list[str] = []
+    for run in order:
+        if sizes[run] < sizes[order[0]] / len(order[0]):
+            break  # smaller than one block of the largest run
+        if not any(_inside(run[0], block) for block in chosen):
+            chosen.extend(run)
+    position = {fqn: i for i, (fqn, _) in enumerate(model.named_modules())}
+    return sorted(chosen, key=position.__getitem__)
+
+
+def _blocks_of_types(
+    model: nn.Module, block_types: tuple[tuple[type, ...], frozenset[str]]
+) -> list[str]:
+    """Every module (not the root) of one of ``block_types``, children before parents."""
+    classes, names = block_types
+    matches = [
+        fqn
+        for fqn, m in model.named_modules()
+        if fqn and (isinstance(m, classes) or type(m).__name__ in names)
+    ]
+    if not matches:
+        wanted = ", ".join([c.__name__ for c in classes] + sorted(names))
+        raise ValueError(
+            f"auto_shard: block_types ({wanted}) match no submodule of "
+            f"{type(model).__name__}; pass the class of its repeated blocks (e.g. "
+            "block_types={LlamaDecoderLayer}), or leave block_types out to find them"
+        )
+    return _post_order(matches, model)
+
+
+def _post_order(fqns: list[str], model: nn.Module) -> list[str]:
+    """``fqns`` (in module order) reordered so that each comes after every one inside it; those
+    without parameters dropped (a group of nothing)."""
+    out: list[str] = []
+    pending: list[str] = []  # open ancestors, outermost first
+    for fqn in fqns:
+        while pending and not _inside(fqn, pending[-1]):
+            out.append(pending.pop())
+        pending.append(fqn)
+    out.extend(reversed(pending))
+    return [f for f in out if _numel(model.get_submodule(f)) > 0]
+
+
+def _untied(model: nn.Module, blocks: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
+    """``blocks`` without those sharing a parameter with a module outside them."""
+    owners: dict[int, list[str]] = {}  # parameter -> every "module.name" registering it
+    for mod_fqn, module in model.named_modules(remove_duplicate=False):
+        for name, p in module.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append(f"{mod_fqn}.{name}" if mod_fqn else name)
+    kept, skipped = [], []
+    for block in blocks:
+        outside = next(
+            (
+                (inner, other)
+                for names in owners.values()
+                for inner in names
+                if _inside(inner, block)
+                for other in names
+                if not _inside(other, block)
+            ),
+            None,
+        )
+        if outside is None:
+            kept.append(block)
+        else:
+            why = f"{outside[0]} is also {outside[1]}: it goes to their common ancestor's group"
+            skipped.append((block, why))
+    return kept, skipped
+
+
+def _claimed_numels(model: nn.Module, fqns: list[str]) -> list[int]:
+    """Parameter elements each call claims, in call order (the first call to reach one owns it)."""
+    claimed: set[int] = set()
+    numels = []
+    for fqn in fqns:
+        params = [p for p in model.get_submodule(fqn).parameters() if id(p) not in claimed]
+        claimed.update(id(p) for p in params)
+        numels.append(sum(p.numel() for p in params))
+    return numels
+
+
+def _submodule(model: nn.Module, fqn: str) -> nn.Module:
+    try:
+        return model.get_submodule(fqn)
+    except AttributeError:
+        raise ValueError(
+            f"AutoShardResult.apply: {type(model).__name__} has no submodule {fqn!r}; replay a "
+            "result onto a model built the same way as the one auto_shard planned"
+        ) from None
