@@ -78,7 +78,8 @@ class AutoShardResult:
             options = ", ".join(f"{k}={v!r}" for k, v in own.items()) or "-"
             rows.append((c.fqn or "<root>", f"{c.numel:,}", options))
         widths = [max(len(r[i]) for r in rows) for i in range(2)]
-        lines = [f"auto_shard: {len(self.calls)} fully_shard calls, bottom-up"]
+        plural = "s" if len(self.calls) > 1 else ""
+        lines = [f"auto_shard: {len(self.calls)} fully_shard call{plural}, bottom-up"]
         for name, numel, options in rows:
             lines.append(f"  {name:<{widths[0]}}  {numel:>{widths[1]}}  {options}")
         if self.common:

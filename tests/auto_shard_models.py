@@ -132,7 +132,7 @@ def hand_llama(model: nn.Module, fully_shard: FullyShard) -> None:
     fully_shard(model)
 
 
-def build_hf_llama() -> nn.Module:
+def build_hf_llama(tied: bool = False) -> nn.Module:
     from transformers import LlamaConfig as HFLlamaConfig
     from transformers import LlamaForCausalLM
 
@@ -143,6 +143,7 @@ def build_hf_llama() -> nn.Module:
     config = HFLlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+        tie_word_embeddings=tied,
     )  # fmt: skip
     return HFLlamaLoss(config)
 
@@ -234,9 +235,6 @@ CASES: dict[str, Case] = {
         hand=hand_llama,
         expected=[*_blocks("model.layers", 3), ("", {})],
     ),
-    "hf_llama": Case(
-        build=build_hf_llama, hand=hand_llama, expected=[*_blocks("model.layers", 2), ("", {})]
-    ),
     "encoder_decoder": Case(
         build=EncoderDecoder,
         hand=hand_encoder_decoder,
@@ -247,3 +245,17 @@ CASES: dict[str, Case] = {
         ],
     ),
 }
+
+# Hugging Face's own Llama (tests/integration: importing transformers costs seconds per process).
+# Tied or not, embed_tokens and lm_head stay with the root, their common ancestor.
+HF_CASES: dict[str, Case] = {
+    "hf_llama": Case(
+        build=build_hf_llama, hand=hand_llama, expected=[*_blocks("model.layers", 2), ("", {})]
+    ),
+    "hf_llama_tied": Case(
+        build=lambda: build_hf_llama(tied=True),
+        hand=hand_llama,
+        expected=[*_blocks("model.layers", 2), ("", {})],
+    ),
+}
+ALL_CASES = {**CASES, **HF_CASES}

@@ -1,7 +1,8 @@
 """auto_shard: it picks what a careful hand-written sharding picks, and trains like it.
 
 For each model in tests/auto_shard_models.py (the examples' GPT, a Llama nested as Hugging Face
-nests it, HF's own LlamaForCausalLM, an encoder-decoder, cross-layer weight sharing):
+nests it, an encoder-decoder, cross-layer weight sharing; HF's own LlamaForCausalLM in
+tests/integration/test_auto_shard_hf.py):
 - the plan is exactly the expected list of (fqn, kwargs);
 - on 2 gloo ranks the auto-sharded model trains with parity against a single-process reference
   on the same global batch, and bitwise like the hand-written ``fully_shard`` calls (the same
@@ -20,7 +21,7 @@ import torch.nn as nn
 
 import fsdp2
 from fsdp2.auto import plan_auto_shard
-from tests.auto_shard_models import CASES, build_gpt, token_batch
+from tests.auto_shard_models import ALL_CASES, CASES, Case, build_gpt, token_batch
 from tests.dp_parity import count, full, train_side_by_side
 from tests.errors import raised
 from tests.harness import run_on_ranks
@@ -28,18 +29,15 @@ from tests.harness import run_on_ranks
 NUM_STEPS = 3
 
 
-def _case_needs(name: str) -> None:
-    if name == "hf_llama":
-        pytest.importorskip("transformers")
+def check_plan(case: Case) -> None:
+    result = plan_auto_shard(case.build())
+    assert list(result) == case.expected
+    assert tuple(fqn for fqn, _ in result.skipped) == case.skipped
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_plan_is_the_hand_written_sharding(name: str) -> None:
-    _case_needs(name)
-    case = CASES[name]
-    result = plan_auto_shard(case.build())
-    assert list(result) == case.expected
-    assert tuple(fqn for fqn, _ in result.skipped) == case.skipped
+    check_plan(CASES[name])
 
 
 def test_plan_on_the_meta_device_allocates_nothing() -> None:
@@ -91,9 +89,9 @@ class TestPrinted(expecttest.TestCase):
             """\
 auto_shard: 3 fully_shard calls, bottom-up
   module    params  options
-  blocks.0   3,184  reshard_after_forward=True
-  blocks.3   3,184  reshard_after_forward=False
-  <root>     6,816  -
+  blocks.0   3,280  reshard_after_forward=True
+  blocks.3   3,280  reshard_after_forward=False
+  <root>     6,208  -
 not sharded on its own: blocks.1 (blocks.1.mlp.fc.weight is also blocks.2.mlp.fc.weight: it goes to their common ancestor's group)
 not sharded on its own: blocks.2 (blocks.2.mlp.fc.weight is also blocks.1.mlp.fc.weight: it goes to their common ancestor's group)""",
         )
@@ -103,7 +101,7 @@ not sharded on its own: blocks.2 (blocks.2.mlp.fc.weight is also blocks.1.mlp.fc
         self.assertExpectedInline(
             str(plan_auto_shard(nn.Sequential(nn.Linear(2, 3)), mp_policy=policy)),
             """\
-auto_shard: 1 fully_shard calls, bottom-up
+auto_shard: 1 fully_shard call, bottom-up
   module  params  options
   <root>       9  -
 every call also gets: mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=None, output_dtype=None, cast_forward_inputs=True)
@@ -160,7 +158,7 @@ def _already_sharded_error() -> str:
 def _train(name: str, how: str) -> dict[str, Any]:
     """Shard a copy of ``CASES[name]`` (``how``: auto / hand / torch) and train it beside an
     unsharded reference (which raises on any mismatch); return what the others must equal."""
-    case = CASES[name]
+    case = ALL_CASES[name]
     torch.manual_seed(0)
     model, ref = case.build(), case.build()
     ref.load_state_dict(model.state_dict())
@@ -190,19 +188,24 @@ def _train(name: str, how: str) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_trains_like_hand_written_sharding(name: str) -> None:
-    _case_needs(name)
+def check_training(name: str) -> None:
+    """auto_shard's calls, parity with the reference (inside _train) and bitwise equality with
+    the hand-written sharding."""
     auto = run_on_ranks(2, _train, name, "auto", timeout=120)[0]
     hand = run_on_ranks(2, _train, name, "hand", timeout=120)[0]
-    assert auto["calls"] == CASES[name].expected
+    assert auto["calls"] == ALL_CASES[name].expected
     # Same fully_shard calls in the same order: the same arithmetic, so bitwise.
     assert auto["losses"] == hand["losses"]
     for a, h in zip(auto["params"], hand["params"], strict=True):
         assert torch.equal(a, h)
     assert auto["gathers"] == hand["gathers"] and auto["reduces"] == hand["reduces"]
-    num_groups = len(CASES[name].expected)
+    num_groups = len(ALL_CASES[name].expected)
     assert all(len(c) == num_groups for c in auto["reduces"]), auto["reduces"]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_trains_like_hand_written_sharding(name: str) -> None:
+    check_training(name)
 
 
 def test_replayed_through_torch_fully_shard() -> None:
