@@ -56,7 +56,12 @@ parser.add_argument(
     "--ckpt-every", type=int, default=100, help="steps between checkpoints; 0 = none"
 )
 parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+parser.add_argument(
+    "--auto-shard", action="store_true", help="let fsdp2.auto_shard pick the groups (fsdp2 only)"
+)
 args = parser.parse_args()
+if args.auto_shard and args.impl != "fsdp2":
+    parser.error("--auto-shard is fsdp2's: use it with --impl fsdp2")
 
 # Switching implementations is this one import: both expose the same API.
 if args.impl == "torch":
@@ -133,9 +138,14 @@ mp_policy = MixedPrecisionPolicy(
 )
 # One communication group per block: while block i computes, only block i's parameters are
 # whole. Then the root, which takes what is left: embeddings, final norm and the tied head.
-for block in model.blocks:
-    fully_shard(block, mesh=mesh, mp_policy=mp_policy)
-fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+if args.auto_shard:  # the same groups, found from the model's structure; printed below
+    from fsdp2 import auto_shard
+
+    sharding = auto_shard(model, mesh=mesh, mp_policy=mp_policy)
+else:
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
 num_local_params = sum(
     p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters()
 )
@@ -187,6 +197,8 @@ table.add_row(
 )
 table.add_row("corpus", f"{len(train_data):,} train + {len(val_data):,} val characters")
 console.print(table)
+if args.auto_shard:
+    console.print(str(sharding), markup=False, highlight=False, soft_wrap=True)
 
 # -----------------------------------------------------------------------------------------------
 # Checkpoints: every rank writes its own shards (torch.distributed.checkpoint), so saving never

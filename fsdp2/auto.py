@@ -26,8 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
+from fsdp2.api import fully_shard as fsdp2_fully_shard
 from fsdp2.module import state_of
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
@@ -65,11 +67,10 @@ class AutoShardResult:
     def apply(self, model: nn.Module, fully_shard: Callable[..., Any] | None = None) -> None:
         """Make the same calls on ``model`` (a fresh copy of the same structure). ``fully_shard``:
         whose implementation to call (e.g. torch's, to compare); fsdp2's by default."""
-        if fully_shard is None:
-            from fsdp2.api import fully_shard
+        shard = fsdp2_fully_shard if fully_shard is None else fully_shard
         modules = [_submodule(model, c.fqn) for c in self.calls]  # all found before any call
         for module, call in zip(modules, self.calls, strict=True):
-            fully_shard(module, **call.kwargs)
+            shard(module, **call.kwargs)
 
     def __str__(self) -> str:
         rows = [("module", "params", "options")]
@@ -94,7 +95,7 @@ class AutoShardResult:
 def auto_shard(
     model: nn.Module,
     *,
-    mesh: Any = None,
+    mesh: DeviceMesh | None = None,
     block_types: BlockTypes | None = None,
     **fully_shard_kwargs: Any,
 ) -> AutoShardResult:
@@ -115,7 +116,7 @@ def auto_shard(
 def plan_auto_shard(
     model: nn.Module,
     *,
-    mesh: Any = None,
+    mesh: DeviceMesh | None = None,
     block_types: BlockTypes | None = None,
     **fully_shard_kwargs: Any,
 ) -> AutoShardResult:
@@ -216,9 +217,7 @@ def _runs(model: nn.Module) -> list[list[str]]:
 
 def _repeated_blocks(model: nn.Module) -> list[str]:
     """The largest runs' blocks, in module order."""
-    sizes = {
-        tuple(run): sum(_numel(model.get_submodule(f)) for f in run) for run in _runs(model)
-    }
+    sizes = {tuple(run): sum(_numel(model.get_submodule(f)) for f in run) for run in _runs(model)}
     # Largest first; on a tie the outer run (shorter names) first, so it takes the inner one.
     order = sorted(sizes, key=lambda run: (-sizes[run], run[0].count(".")))
     chosen: list[str] = []

@@ -59,7 +59,9 @@ class GPTLoss(GPT):
 
 def build_gpt(num_layers: int = 3) -> GPTLoss:
     return GPTLoss(
-        GPTConfig(vocab_size=VOCAB, block_size=SEQ, num_layers=num_layers, num_heads=2, embed_dim=DIM)
+        GPTConfig(
+            vocab_size=VOCAB, block_size=SEQ, num_layers=num_layers, num_heads=2, embed_dim=DIM
+        )
     )
 
 
@@ -217,9 +219,7 @@ def hand_encoder_decoder(model: nn.Module, fully_shard: FullyShard) -> None:
 
 
 CASES: dict[str, Case] = {
-    "gpt": Case(
-        build=build_gpt, hand=hand_gpt, expected=[*_blocks("blocks", 3), ("", {})]
-    ),
+    "gpt": Case(build=build_gpt, hand=hand_gpt, expected=[*_blocks("blocks", 3), ("", {})]),
     "shared_layers": Case(
         build=build_shared_layers,
         hand=hand_shared_layers,
