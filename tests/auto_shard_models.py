@@ -39,7 +39,7 @@ def token_batch(gen: torch.Generator, batch_size: int) -> Batch:
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def _blocks(prefix: str, n: int, last_of_all: bool = True) -> list[tuple[str, dict[str, Any]]]:
+def block_calls(prefix: str, n: int, last_of_all: bool = True) -> list[tuple[str, dict[str, Any]]]:
     """n blocks resharded after forward, except the last one when it is the last of all."""
     return [
         (f"{prefix}.{i}", {"reshard_after_forward": not (last_of_all and i == n - 1)})
@@ -219,7 +219,7 @@ def hand_encoder_decoder(model: nn.Module, fully_shard: FullyShard) -> None:
 
 
 CASES: dict[str, Case] = {
-    "gpt": Case(build=build_gpt, hand=hand_gpt, expected=[*_blocks("blocks", 3), ("", {})]),
+    "gpt": Case(build=build_gpt, hand=hand_gpt, expected=[*block_calls("blocks", 3), ("", {})]),
     "shared_layers": Case(
         build=build_shared_layers,
         hand=hand_shared_layers,
@@ -233,14 +233,14 @@ CASES: dict[str, Case] = {
     "llama_like": Case(
         build=LlamaLikeForCausalLM,
         hand=hand_llama,
-        expected=[*_blocks("model.layers", 3), ("", {})],
+        expected=[*block_calls("model.layers", 3), ("", {})],
     ),
     "encoder_decoder": Case(
         build=EncoderDecoder,
         hand=hand_encoder_decoder,
         expected=[
-            *_blocks("encoder.layers", 2, last_of_all=False),
-            *_blocks("decoder.layers", 3),
+            *block_calls("encoder.layers", 2, last_of_all=False),
+            *block_calls("decoder.layers", 3),
             ("", {}),
         ],
     ),
@@ -250,12 +250,12 @@ CASES: dict[str, Case] = {
 # Tied or not, embed_tokens and lm_head stay with the root, their common ancestor.
 HF_CASES: dict[str, Case] = {
     "hf_llama": Case(
-        build=build_hf_llama, hand=hand_llama, expected=[*_blocks("model.layers", 2), ("", {})]
+        build=build_hf_llama, hand=hand_llama, expected=[*block_calls("model.layers", 2), ("", {})]
     ),
     "hf_llama_tied": Case(
         build=lambda: build_hf_llama(tied=True),
         hand=hand_llama,
-        expected=[*_blocks("model.layers", 2), ("", {})],
+        expected=[*block_calls("model.layers", 2), ("", {})],
     ),
 }
 ALL_CASES = {**CASES, **HF_CASES}

@@ -21,7 +21,7 @@ import torch.nn as nn
 
 import fsdp2
 from fsdp2.auto import plan_auto_shard
-from tests.auto_shard_models import ALL_CASES, CASES, Case, build_gpt, token_batch
+from tests.auto_shard_models import ALL_CASES, CASES, Case, block_calls, build_gpt, token_batch
 from tests.dp_parity import count, full, train_side_by_side
 from tests.errors import raised
 from tests.harness import run_on_ranks
@@ -75,6 +75,64 @@ def test_explicit_kwargs_go_to_every_call() -> None:
     result = plan_auto_shard(build_gpt(num_layers=2), reshard_after_forward=2, mp_policy=policy)
     kwargs = {"reshard_after_forward": 2, "mp_policy": policy}
     assert list(result) == [("blocks.0", kwargs), ("blocks.1", kwargs), ("", kwargs)]
+
+
+class MoELayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(16, 4)
+        self.experts = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+
+class Imbalanced(nn.Module):
+    """One large MoE encoder layer, five small decoder layers: the encoder's experts are a run
+    bigger than a decoder layer, but inside a block already taken."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.ModuleDict({"layers": nn.ModuleList([MoELayer()])})
+        self.decoder = nn.ModuleDict({"layers": nn.ModuleList(nn.Linear(16, 16) for _ in range(5))})
+
+
+def _titan_like() -> nn.Module:
+    # torchtitan keeps its layers in a ModuleDict ("0", "1", ...), beside a bias-free head.
+    model = nn.Module()
+    model.tok_embeddings = nn.Embedding(8, 4)
+    model.layers = nn.ModuleDict({str(i): nn.Sequential(nn.Linear(4, 4)) for i in range(2)})
+    model.output = nn.Linear(4, 8, bias=False)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("build", "expected"),
+    [
+        (
+            Imbalanced,
+            [
+                *block_calls("encoder.layers", 1, last_of_all=False),
+                *block_calls("decoder.layers", 5),
+                ("", {}),
+            ],
+        ),
+        (_titan_like, [*block_calls("layers", 2), ("", {})]),
+        (  # blocks among other children of a Sequential
+            lambda: nn.Sequential(
+                nn.Embedding(8, 4),
+                nn.TransformerEncoderLayer(4, 1, 8),
+                nn.TransformerEncoderLayer(4, 1, 8),
+                nn.LayerNorm(4),
+            ),
+            [
+                ("1", {"reshard_after_forward": True}),
+                ("2", {"reshard_after_forward": False}),
+                ("", {}),
+            ],
+        ),
+    ],
+    ids=["run_inside_a_block", "module_dict", "sequential_of_mixed_children"],
+)
+def test_plan_structures(build: Any, expected: list[tuple[str, dict[str, Any]]]) -> None:
+    assert list(plan_auto_shard(build())) == expected
 
 
 def test_a_model_without_blocks_is_one_group() -> None:
