@@ -202,6 +202,28 @@ class TestErrors(expecttest.TestCase):
         )
 
 
+def _mesh_passed_through() -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))  # HSDP
+    model = build_gpt(num_layers=2)
+    result = fsdp2.auto_shard(model, mesh=mesh)
+    assert all(kw["mesh"] is mesh for _, kw in result), list(result)
+    # None for a parameter left a plain tensor.
+    dim_names = {
+        p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else None for p in model.parameters()
+    }
+    return sorted(map(str, dim_names))
+
+
+def test_mesh_goes_to_every_call() -> None:
+    assert (
+        run_on_ranks(2, _mesh_passed_through, timeout=30)
+        == [["DTensor ('replicate', 'shard')"]] * 2
+    )
+
+
 def _already_sharded_error() -> str:
     model = build_gpt()
     fsdp2.fully_shard(model.blocks[1])
