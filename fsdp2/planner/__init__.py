@@ -1,0 +1,197 @@
+"""``fsdp2.plan``: what a sharded training run will hold and move per rank, before launching it.
+
+The model is built on the meta device, sharded by the user's own function over a fake process
+group of the requested size (so fsdp2 lays out exactly the buffers a real rank would have, at
+their real sizes, with no memory behind them), and the groups it made are read back and added up.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from fsdp2.planner.activations import activation_bytes
+from fsdp2.planner.estimate import collectives, transient
+from fsdp2.planner.groups import collect_groups
+from fsdp2.planner.report import Comparison, Plan
+from fsdp2.planner.world import PlanError, build_on_meta, call_shard, fake_mesh, mesh_shape_of
+
+__all__ = ["Comparison", "Plan", "PlanError", "default_shard", "plan"]
+
+# Optimizer state per trainable element, in units of the parameter's own element size.
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}
+
+
+def plan(
+    build: Callable[[], nn.Module],
+    shard: Callable[..., Any] | None = None,
+    *,
+    world_size: int | Sequence[int] = 8,
+    optimizer: str | float = "adamw",
+    batch: Any = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    device: str = "cuda",
+    **fully_shard_kwargs: Any,
+) -> Plan:
+    """Plan one rank of a run: ``build()`` makes the model (run under the meta device),
+    ``shard(model)`` (or ``shard(model, mesh)``) applies ``fully_shard`` as the training script
+    does; without it, ``fsdp2.auto_shard`` if present, else each repeated block then the root,
+    with ``fully_shard_kwargs``. ``world_size``: ranks (FSDP) or ``(replicate, shard)`` (HSDP).
+    ``optimizer``: ``"adamw"``, ``"adam"``, ``"sgd"`` (with momentum), ``"none"``, or state
+    bytes per trainable parameter element. ``batch``: one rank's example inputs (tensors, or a
+    function returning them), to estimate activations. ``device``: the target's type, which
+    decides backward prefetch (fsdp2 does not prefetch on CPU meshes)."""
+    if isinstance(optimizer, str) and optimizer.lower() not in OPTIMIZER_STATES:
+        raise PlanError(
+            f"optimizer must be one of {sorted(OPTIMIZER_STATES)} or bytes per parameter "
+            f"element (a number), got {optimizer!r}"
+        )
+    replan = functools.partial(
+        _plan_one,
+        build,
+        shard,
+        optimizer=optimizer,
+        device=device,
+        fully_shard_kwargs=fully_shard_kwargs,
+        activations=_lazy_activations(build, batch, loss_fn, fully_shard_kwargs),
+    )
+    return replan(world_size)
+
+
+def _lazy_activations(
+    build: Callable[[], nn.Module], batch: Any, loss_fn: Any, kwargs: dict[str, Any]
+) -> Callable[[torch.dtype | None], int | None]:
+    """Activations do not depend on the world size: computed once, on first use."""
+    cache: dict[torch.dtype | None, int | None] = {}
+
+    def get(dtype: torch.dtype | None) -> int | None:
+        if batch is None:
+            return None
+        if dtype not in cache:
+            cache[dtype] = activation_bytes(build, batch, loss_fn, dtype)
+        return cache[dtype]
+
+    return get
+
+
+def _plan_one(
+    build: Callable[[], nn.Module],
+    shard: Callable[..., Any] | None,
+    world_size: int | Sequence[int],
+    *,
+    optimizer: str | float,
+    device: str,
+    fully_shard_kwargs: dict[str, Any],
+    activations: Callable[[torch.dtype | None], int | None],
+) -> Plan:
+    shape = mesh_shape_of(world_size)
+    notes: list[str] = []
+    model = build_on_meta(build)
+    with fake_mesh(shape) as mesh:
+        if shard is None:
+            shard, how = default_shard(fully_shard_kwargs)
+            notes.append(f"no shard function given: {how}")
+        elif fully_shard_kwargs:
+            raise PlanError(
+                f"fully_shard options {sorted(fully_shard_kwargs)} apply only without a shard "
+                "function; pass them in your shard function's fully_shard calls instead"
+            )
+        try:
+            call_shard(shard, model, mesh)
+        except PlanError:
+            raise
+        except (ValueError, NotImplementedError) as e:
+            raise PlanError(f"sharding at world size {shape} failed: {e}") from e
+        groups = collect_groups(model)
+    if not groups:
+        raise PlanError(
+            "the shard function did not call fully_shard on the model (no fsdp2 parameter "
+            "group was found). It must apply fsdp2.fully_shard (or fsdp2.auto_shard) to the "
+            "model it is given, e.g. its blocks and then the model itself"
+        )
+    factor = OPTIMIZER_STATES[optimizer.lower()] if isinstance(optimizer, str) else None
+    optim = sum(
+        g.trainable_local_bytes * factor if factor is not None else round(g.trainable_local_numel * float(optimizer))
+        for g in groups
+    )
+    unmanaged = [n for n, p in model.named_parameters() if not _is_sharded(p)]
+    if unmanaged:
+        notes.append(f"{len(unmanaged)} parameters not sharded (e.g. {unmanaged[0]}): not counted")
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    dtypes = {g.param_dtype for g in groups}
+    compute = getattr(torch, dtypes.pop()) if len(dtypes) == 1 else None
+    act = activations(compute if compute is not None and compute != torch.float32 else None)
+    if act is not None:
+        notes.append(
+            "activations: one forward+backward under FakeTensorMode on the batch given (per "
+            "rank); misses kernels' workspaces and allocator fragmentation"
+        )
+    moves = transient(groups, prefetch=device != "cpu")
+    return Plan(
+        world_size=shape,
+        num_params=sum(g.num_params for g in groups),
+        optimizer=str(optimizer),
+        param_bytes=sum(g.sharded_bytes for g in groups),
+        param_padding_bytes=sum(g.sharded_bytes - g.param_bytes for g in groups),
+        grad_bytes=sum(g.grad_bytes for g in groups),
+        grad_padding_bytes=sum(g.grad_bytes - g.grad_real_bytes for g in groups),
+        optim_bytes=optim,
+        buffer_bytes=buffers,
+        forward_transient_bytes=moves.forward_bytes,
+        forward_transient_at=moves.forward_at,
+        backward_transient_bytes=moves.backward_bytes,
+        backward_transient_at=moves.backward_at,
+        activation_bytes=act,
+        collectives=collectives(groups),
+        groups=groups,
+        notes=notes,
+        _replan=functools.partial(
+            _plan_one,
+            build,
+            shard if not notes or not notes[0].startswith("no shard") else None,
+            optimizer=optimizer,
+            device=device,
+            fully_shard_kwargs=fully_shard_kwargs,
+            activations=activations,
+        ),
+    )
+
+
+def _is_sharded(param: nn.Parameter) -> bool:
+    return hasattr(param, "_fsdp2_owner")
+
+
+def default_shard(kwargs: dict[str, Any]) -> tuple[Callable[..., Any], str]:
+    """``fsdp2.auto_shard`` where it exists; else ``fully_shard`` on each block of the largest
+    container of same-class children, then on the root."""
+    import fsdp2
+
+    auto = getattr(fsdp2, "auto_shard", None)
+    if auto is not None:
+        return functools.partial(auto, **kwargs), "used fsdp2.auto_shard"
+
+    def blocks_then_root(model: nn.Module, mesh: DeviceMesh) -> None:
+        for block in repeated_blocks(model):
+            fsdp2.fully_shard(block, mesh=mesh, **kwargs)
+        fsdp2.fully_shard(model, mesh=mesh, **kwargs)
+
+    return blocks_then_root, "sharded each repeated block, then the root (planner's fallback)"
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The children of the largest ``ModuleList``/``Sequential`` whose children share a class."""
+    best: list[nn.Module] = []
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList | nn.Sequential):
+            children = list(module.children())
+            if len(children) > 1 and len({type(c) for c in children}) == 1:
+                size = sum(p.numel() for p in module.parameters())
+                if size > sum(p.numel() for b in best for p in b.parameters()):
+                    best = children
+    return best
+

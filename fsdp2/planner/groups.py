@@ -1,0 +1,98 @@
+"""What the planner reads off a sharded (meta) model: one ``GroupFacts`` per parameter group,
+with the byte counts fsdp2's buffers will have on rank 0 (the rank with the most real rows)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from fsdp2.module import state_of
+from fsdp2.param_group import FSDPParamGroup
+from fsdp2.state import FSDPState
+
+__all__ = ["GroupFacts", "collect_groups"]
+
+
+@dataclass(frozen=True)
+class GroupFacts:
+    """One ``fully_shard`` call's group, as sizes (all bytes are per rank)."""
+
+    label: str  # the modules' FQNs, comma-joined: what the collective recorder labels it
+    modules: tuple[str, ...]
+    is_root: bool
+    num_params: int  # elements of its parameters (unsharded)
+    num_trainable: int
+    shard_world: int
+    replicate_world: int
+    param_dtype: str
+    reduce_dtype: str
+    reshard_after_forward: bool
+    partial_k: int  # reshard_after_forward=k keeps W/k chunks: backward gathers over k ranks
+    sharded_bytes: int  # the flat shard buffer, padding included
+    param_bytes: int  # the real rows of the sharded parameters in it
+    unsharded_bytes: int  # the all-gathered parameters in param_dtype (0: aliases the shard)
+    gather_in_bytes: int  # what this rank sends in an all-gather
+    grad_bytes: int  # the reduced gradient shard held until the next zero_grad
+    grad_real_bytes: int  # its real rows (without padding)
+    unsharded_grad_bytes: int  # autograd's unsharded gradients in param_dtype, before reduction
+    reduce_in_bytes: int  # the reduce-scatter's input buffer, in reduce_dtype
+    reduce_out_bytes: int
+    trainable_local_numel: int  # real elements of trainable parameters on this rank
+    trainable_local_bytes: int  # the same in the parameters' dtypes (sizes optimizer state)
+
+
+def collect_groups(model: nn.Module) -> list[GroupFacts]:
+    """Every group under ``model``, in pre-order (the order forward first reaches them)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    states: list[FSDPState] = []
+    for module in model.modules():
+        state = state_of(module)
+        if state is not None and state not in states:
+            states.append(state)
+    facts = []
+    for i, state in enumerate(states):
+        label = ",".join(names.get(id(m), "") for m in state.modules)
+        requested = state.requested_reshard_after_forward
+        reshard = (i != 0) if requested is None else requested  # the root keeps its parameters
+        for group in state.groups:
+            facts.append(_facts(group, label, i == 0, reshard))
+    return facts
+
+
+def _facts(group: FSDPParamGroup, label: str, is_root: bool, reshard: bool) -> GroupFacts:
+    world, replicas = group.world, group.info.replicate_size
+    unit = group.sharded_flat.element_size()  # 1 for a mixed-dtype group's byte buffers
+    gather_unit = 1 if group.mixed else group.param_dtype.itemsize
+    reduce_unit = group.reduce_dtype.itemsize
+    trainable = group.trainable
+    chunk_numel = sum(p.chunk_numel for p in trainable)
+    if group.mixed:  # each reduced shard is cast to its own dtype: real rows only
+        grad_bytes = sum(p.local_numel * p.dtype.itemsize for p in trainable)
+    else:  # the reduce-scatter's output (one buffer, padding included) in the parameters' dtype
+        grad_bytes = chunk_numel * group.dtype.itemsize
+    partial = group.partial_group
+    return GroupFacts(
+        label=label,
+        modules=tuple(label.split(",")),
+        is_root=is_root,
+        num_params=sum(p.numel for p in group.fsdp_params),
+        num_trainable=sum(p.numel for p in trainable),
+        shard_world=world,
+        replicate_world=replicas,
+        param_dtype=str(group.param_dtype).removeprefix("torch."),
+        reduce_dtype=str(group.reduce_dtype).removeprefix("torch."),
+        reshard_after_forward=reshard,
+        partial_k=partial.size() if partial is not None else 0,
+        sharded_bytes=group.shard_numel * unit,
+        param_bytes=sum(p.local_numel * p.dtype.itemsize for p in group.fsdp_params),
+        unsharded_bytes=0 if group.alias else world * group.plain_numel * gather_unit,
+        gather_in_bytes=group.plain_numel * gather_unit,
+        grad_bytes=grad_bytes,
+        grad_real_bytes=sum(p.local_numel * p.dtype.itemsize for p in trainable),
+        unsharded_grad_bytes=sum(p.numel * p.param_dtype.itemsize for p in trainable),
+        reduce_in_bytes=world * chunk_numel * reduce_unit if world > 1 else 0,
+        reduce_out_bytes=chunk_numel * reduce_unit if world > 1 or replicas > 1 else 0,
+        trainable_local_numel=sum(p.local_numel for p in trainable),
+        trainable_local_bytes=sum(p.local_numel * p.dtype.itemsize for p in trainable),
+    )
