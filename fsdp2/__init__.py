@@ -19,6 +19,9 @@ from fsdp2.policies import (
 )
 from fsdp2.swap import patch_torch_fsdp
 
+# Planner (issue 14)
+from fsdp2.planner import Plan, plan  # noqa: E402
+
 __all__ = [
     "AutoShardResult",
     "CPUOffloadPolicy",
@@ -26,11 +29,13 @@ __all__ = [
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "Plan",
     "ShardedGradScaler",
     "UnshardHandle",
     "auto_shard",
     "fully_shard",
     "patch_torch_fsdp",
+    "plan",
     "register_fsdp_forward_method",
     "replicate",
     "share_comm_ctx",

@@ -43,9 +43,7 @@ def activation_bytes(
     from torch.distributed._tools.mem_tracker import MemTracker
 
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        model = build()
-        if compute_dtype is not None:  # mixed precision computes in param_dtype
-            model = model.to(compute_dtype)
+        model = _build_in(build, compute_dtype)  # mixed precision computes in param_dtype
         args = batch() if callable(batch) else batch
         if not isinstance(args, tuple | list):
             args = (args,)
@@ -64,10 +62,28 @@ def activation_bytes(
     return total
 
 
+def _build_in(build: Callable[[], nn.Module], dtype: torch.dtype | None) -> nn.Module:
+    """``build()`` with floating parameters made in ``dtype`` (fake parameters cannot be
+    converted by ``module.to`` afterwards: it swaps tensors, which fake ones refuse)."""
+    if dtype is None:
+        return build()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return build()
+    finally:
+        torch.set_default_dtype(default)
+
+
 def _fake(mode: FakeTensorMode, value: Any, dtype: torch.dtype | None) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
-    fake = value if mode.is_our_fake(value) else mode.from_tensor(value)
+    if mode.is_our_fake(value):
+        fake = value
+    elif value.device.type == "meta":  # a shape stand-in: made fake on the default device
+        fake = torch.empty(value.shape, dtype=value.dtype)
+    else:
+        fake = mode.from_tensor(value)
     if dtype is not None and fake.is_floating_point():
         fake = fake.to(dtype)
     return fake

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from fsdp2.module import state_of
+from fsdp2.param import FSDPParam
 from fsdp2.param_group import FSDPParamGroup
 from fsdp2.state import FSDPState
 
@@ -30,11 +31,13 @@ class GroupFacts:
     reshard_after_forward: bool
     partial_k: int  # reshard_after_forward=k keeps W/k chunks: backward gathers over k ranks
     sharded_bytes: int  # the flat shard buffer, padding included
-    param_bytes: int  # the real rows of the sharded parameters in it
+    param_bytes: int  # the real rows of the sharded parameters in it (rank 0: the most)
+    param_last_bytes: int  # the same on the last rank, which holds the fewest real rows
     unsharded_bytes: int  # the all-gathered parameters in param_dtype (0: aliases the shard)
     gather_in_bytes: int  # what this rank sends in an all-gather
     grad_bytes: int  # the reduced gradient shard held until the next zero_grad
-    grad_real_bytes: int  # its real rows (without padding)
+    grad_real_bytes: int  # its real rows (without padding), rank 0
+    grad_last_bytes: int  # its real rows on the last rank
     unsharded_grad_bytes: int  # autograd's unsharded gradients in param_dtype, before reduction
     reduce_in_bytes: int  # the reduce-scatter's input buffer, in reduce_dtype
     reduce_out_bytes: int
@@ -86,13 +89,24 @@ def _facts(group: FSDPParamGroup, label: str, is_root: bool, reshard: bool) -> G
         partial_k=partial.size() if partial is not None else 0,
         sharded_bytes=group.shard_numel * unit,
         param_bytes=sum(p.local_numel * p.dtype.itemsize for p in group.fsdp_params),
+        param_last_bytes=sum(_last_rank_bytes(p, world) for p in group.fsdp_params),
         unsharded_bytes=0 if group.alias else world * group.plain_numel * gather_unit,
         gather_in_bytes=group.plain_numel * gather_unit,
         grad_bytes=grad_bytes,
         grad_real_bytes=sum(p.local_numel * p.dtype.itemsize for p in trainable),
+        grad_last_bytes=sum(_last_rank_bytes(p, world) for p in trainable),
         unsharded_grad_bytes=sum(p.numel * p.param_dtype.itemsize for p in trainable),
         reduce_in_bytes=world * chunk_numel * reduce_unit if world > 1 else 0,
         reduce_out_bytes=chunk_numel * reduce_unit if world > 1 or replicas > 1 else 0,
         trainable_local_numel=sum(p.local_numel for p in trainable),
         trainable_local_bytes=sum(p.local_numel * p.dtype.itemsize for p in trainable),
     )
+
+
+def _last_rank_bytes(p: FSDPParam, world: int) -> int:
+    """Bytes of the real rows the last of ``world`` ranks holds (a scalar: all of it)."""
+    if not p.shape:
+        return p.dtype.itemsize
+    rows = p.shape[p.dim]
+    last_rows = min(max(rows - (world - 1) * p.chunk_rows, 0), p.chunk_rows)
+    return last_rows * (p.numel // rows if rows else 0) * p.dtype.itemsize

@@ -34,7 +34,7 @@ class Plan:
     num_params: int
     optimizer: str
     param_bytes: int  # the flat shard buffers, padding included
-    param_padding_bytes: int
+    param_padding_bytes: int  # the most any rank holds (the last ranks: fewest real rows)
     grad_bytes: int  # reduced gradient shards (held until zero_grad)
     grad_padding_bytes: int
     optim_bytes: int

@@ -1,0 +1,190 @@
+"""``fsdp2.plan``: its predictions against what a real run allocates and sends.
+
+The planner builds the model on meta and shards it over a fake process group; here the same
+model and sharding train one step on real gloo ranks, and rank 0's shard buffers, gradients,
+optimizer state and recorded collectives must equal the plan exactly (the plan is for rank 0,
+which holds the most real rows).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from typing import Any
+
+import expecttest
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+import fsdp2
+from fsdp2.planner import PlanError
+from tests.errors import raised
+from tests.harness import run_on_ranks
+from tests.models import MODELS, build_model, make_batch
+from tests.parity import MODEL_SEED, batch_seed
+
+pytestmark = pytest.mark.usefixtures("fsdp2_only")
+
+BF16 = fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def shard_blocks(model: nn.Module, mp: bool = False) -> None:
+    """The tests' usual sharding: each block, then the root."""
+    kwargs: dict[str, Any] = {"mp_policy": BF16} if mp else {}
+    for block in model.blocks:  # type: ignore[union-attr]
+        fsdp2.fully_shard(block, **kwargs)
+    fsdp2.fully_shard(model, **kwargs)
+
+
+def shard_blocks_bf16(model: nn.Module) -> None:
+    shard_blocks(model, mp=True)
+
+
+SHARDERS = {"plain": shard_blocks, "bf16": shard_blocks_bf16}
+
+
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the storages behind ``tensors``, each once (as benchmarks/scale.py counts)."""
+    storages = {}
+    for t in tensors:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def _real_step(model_name: str, sharder: str) -> dict[str, Any]:
+    """One AdamW step on this rank; what it holds afterwards and what it sent."""
+    from fsdp2.collectives import record_collectives
+    from fsdp2.module import state_of
+
+    model = build_model(model_name, MODEL_SEED)
+    SHARDERS[sharder](model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = make_batch(model_name, batch_seed(0, dist.get_rank()), 2)
+    with record_collectives() as records:
+        model(*batch).backward()
+    opt.step()
+    groups = {id(g): g for m in model.modules() if (s := state_of(m)) for g in s.groups}
+    params = list(model.parameters())
+    return {
+        "flat": sum(g.sharded_flat.untyped_storage().nbytes() for g in groups.values()),
+        "params": _storage_bytes(params),
+        "grads": _storage_bytes([p.grad for p in params if p.grad is not None]),
+        "optim": _storage_bytes([t for s in opt.state.values() for t in s.values() if t.dim()]),
+        "buffers": sum(b.numel() * b.element_size() for b in model.buffers()),
+        "records": [
+            (r.kind, r.label, r.input_nbytes, r.output_nbytes, r.world_size) for r in records
+        ],
+    }
+
+
+def _plan(model_name: str, sharder: str, world_size: int) -> fsdp2.Plan:
+    return fsdp2.plan(
+        MODELS[model_name].build, SHARDERS[sharder], world_size=world_size, device="cpu"
+    )
+
+
+@pytest.mark.parametrize(
+    ("model_name", "sharder", "world_size"),
+    [("gpt", "plain", 2), ("gpt", "bf16", 2), ("odd_shapes", "plain", 2), ("gpt", "plain", 1)],
+)
+def test_plan_matches_real_run(model_name: str, sharder: str, world_size: int) -> None:
+    """Bytes held between steps and collectives per step: exactly what rank 0 allocates and
+    sends (odd_shapes pads; bf16 gathers in bf16 and reduces in fp32; one rank sends nothing)."""
+    plan = _plan(model_name, sharder, world_size)
+    ranks = run_on_ranks(world_size, _real_step, model_name, sharder, timeout=120)
+    real, last = ranks[0], ranks[-1]
+    assert plan.param_bytes == real["flat"] == last["flat"]
+    assert sum(g.param_bytes for g in plan.groups) == real["params"]
+    assert plan.param_bytes - plan.param_padding_bytes == last["params"]
+    assert sum(g.grad_real_bytes for g in plan.groups) == real["grads"]
+    assert plan.grad_bytes - plan.grad_padding_bytes == last["grads"]
+    assert plan.optim_bytes == real["optim"]
+    assert plan.buffer_bytes == real["buffers"]
+    predicted = [
+        (c.kind, c.label, c.input_nbytes, c.output_nbytes, c.world_size) for c in plan.collectives
+    ]
+    assert predicted == real["records"]
+    if model_name == "odd_shapes" and world_size > 1:
+        assert plan.param_padding_bytes > 0  # the case is there to exercise padding
+
+
+def _rss_bytes() -> int:
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def llama_7b() -> nn.Module:
+    """Llama-2-7B's shape (6.7e9 parameters) from the examples' model."""
+    from examples.model import Llama, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=32000,
+        max_seq_len=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=32,
+        embed_dim=4096,
+        ffn_multiple_of=256,
+    )
+    return Llama(config)
+
+
+def test_plan_7b_at_scale_allocates_nothing() -> None:
+    """A 7B model planned at W = 8 ... 1024 in seconds, without its 27 GB of fp32 weights."""
+    before, start = _rss_bytes(), time.perf_counter()
+    plans = fsdp2.plan(llama_7b, world_size=8).compare([8, 64, 1024]).plans
+    elapsed = time.perf_counter() - start
+    assert _rss_bytes() - before < 512 * 2**20
+    assert elapsed < 60  # seconds on a loaded 2-core machine; ~3 s alone
+    assert 6.7e9 < plans[0].num_params < 6.8e9
+    for plan in plans:  # fp32 params, grads and AdamW's two states: 16 bytes per parameter
+        ideal = 16 * plans[0].num_params / plan.world_size[0]
+        assert ideal <= plan.held_bytes - plan.buffer_bytes < 1.01 * ideal
+    assert [p.counts()["all_gather"] for p in plans] == [65, 65, 65]  # 32 blocks twice + root
+
+
+class TestPlanErrors(expecttest.TestCase):
+    def test_build_allocating_real_memory(self) -> None:
+        def huge() -> nn.Module:  # a 40 GB layer, built with an explicit device
+            return nn.Linear(100_000, 100_000, device="cpu")
+
+        before = _rss_bytes()
+        self.assertExpectedInline(
+            raised(lambda: fsdp2.plan(huge, world_size=8)),
+            """""",
+        )
+        assert _rss_bytes() - before < 64 * 2**20
+
+    def test_shard_without_fully_shard(self) -> None:
+        self.assertExpectedInline(
+            raised(lambda: fsdp2.plan(MODELS["mlp"].build, lambda model: None, world_size=8)),
+            """""",
+        )
+
+    def test_world_size_not_split_as_asked(self) -> None:
+        def shard_flattened(model: nn.Module, mesh: Any) -> None:
+            # Two mesh dims sharded as one: parameters must split evenly over their product.
+            for block in model.blocks:  # type: ignore[union-attr]
+                fsdp2.fully_shard(block, mesh=mesh, dp_mesh_dims=fsdp2.DataParallelMeshDims(shard=("replicate", "shard")))
+
+        self.assertExpectedInline(
+            raised(lambda: fsdp2.plan(MODELS["mlp"].build, shard_flattened, world_size=(3, 2))),
+            """""",
+        )
+
+    def test_bad_world_size_and_optimizer(self) -> None:
+        self.assertExpectedInline(
+            raised(lambda: fsdp2.plan(MODELS["mlp"].build, world_size=0)), """"""
+        )
+        self.assertExpectedInline(
+            raised(lambda: fsdp2.plan(MODELS["mlp"].build, optimizer="lion")), """"""
+        )
+
+    def test_process_group_untouched_after_plan(self) -> None:
+        fsdp2.plan(MODELS["mlp"].build, world_size=4)
+        assert not dist.is_initialized()
