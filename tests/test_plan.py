@@ -144,7 +144,7 @@ def test_plan_7b_at_scale_allocates_nothing() -> None:
     assert 6.7e9 < plans[0].num_params < 6.8e9
     for plan in plans:  # fp32 params, grads and AdamW's two states: 16 bytes per parameter
         ideal = 16 * plans[0].num_params / plan.world_size[0]
-        assert ideal <= plan.held_bytes - plan.buffer_bytes < 1.01 * ideal
+        assert ideal <= plan.held_bytes - plan.buffer_bytes < 1.05 * ideal  # + padding
     assert [p.counts()["all_gather"] for p in plans] == [65, 65, 65]  # 32 blocks twice + root
 
 
@@ -156,14 +156,14 @@ class TestPlanErrors(expecttest.TestCase):
         before = _rss_bytes()
         self.assertExpectedInline(
             raised(lambda: fsdp2.plan(huge, world_size=8)),
-            """""",
+            """PlanError: the build function allocates real memory: 38147 MiB off the meta device so far (at empty), more than the planner's limit of 64 MiB. fsdp2.plan runs it under torch.device('meta'): drop explicit device= arguments (and checkpoint loading) from the build function, or build on device='meta' yourself""",
         )
         assert _rss_bytes() - before < 64 * 2**20
 
     def test_shard_without_fully_shard(self) -> None:
         self.assertExpectedInline(
             raised(lambda: fsdp2.plan(MODELS["mlp"].build, lambda model: None, world_size=8)),
-            """""",
+            """PlanError: the shard function did not call fully_shard on the model (no fsdp2 parameter group was found). It must apply fsdp2.fully_shard (or fsdp2.auto_shard) to the model it is given, e.g. its blocks and then the model itself""",
         )
 
     def test_world_size_not_split_as_asked(self) -> None:
@@ -174,15 +174,15 @@ class TestPlanErrors(expecttest.TestCase):
 
         self.assertExpectedInline(
             raised(lambda: fsdp2.plan(MODELS["mlp"].build, shard_flattened, world_size=(3, 2))),
-            """""",
+            """PlanError: sharding at world size (3, 2) failed: 0.weight: dim 0 of size 16 does not split evenly over the 6 ranks of the flattened data-parallel dims; uneven sizes need one shard dim""",
         )
 
     def test_bad_world_size_and_optimizer(self) -> None:
         self.assertExpectedInline(
-            raised(lambda: fsdp2.plan(MODELS["mlp"].build, world_size=0)), """"""
+            raised(lambda: fsdp2.plan(MODELS["mlp"].build, world_size=0)), """PlanError: world_size must be a positive int (FSDP) or a pair (replicate, shard) of positive ints (HSDP), got 0"""
         )
         self.assertExpectedInline(
-            raised(lambda: fsdp2.plan(MODELS["mlp"].build, optimizer="lion")), """"""
+            raised(lambda: fsdp2.plan(MODELS["mlp"].build, optimizer="lion")), """PlanError: optimizer must be one of ['adam', 'adamw', 'none', 'sgd'] or bytes per parameter element (a number), got 'lion'"""
         )
 
     def test_process_group_untouched_after_plan(self) -> None:
