@@ -11,6 +11,8 @@ from fsdp2.api import (
 from fsdp2.auto import AutoShardResult, auto_shard
 from fsdp2.full_params import summon_full_params
 from fsdp2.grad_scaler import ShardedGradScaler
+
+from fsdp2.planner import Plan, plan
 from fsdp2.policies import (
     CPUOffloadPolicy,
     DataParallelMeshDims,
@@ -18,9 +20,6 @@ from fsdp2.policies import (
     OffloadPolicy,
 )
 from fsdp2.swap import patch_torch_fsdp
-
-# Planner (issue 14)
-from fsdp2.planner import Plan, plan  # noqa: E402
 
 __all__ = [
     "AutoShardResult",

@@ -21,7 +21,6 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import fsdp2
-from fsdp2.planner import PlanError
 from tests.errors import raised
 from tests.harness import run_on_ranks
 from tests.models import MODELS, build_model, make_batch
@@ -170,7 +169,11 @@ class TestPlanErrors(expecttest.TestCase):
         def shard_flattened(model: nn.Module, mesh: Any) -> None:
             # Two mesh dims sharded as one: parameters must split evenly over their product.
             for block in model.blocks:  # type: ignore[union-attr]
-                fsdp2.fully_shard(block, mesh=mesh, dp_mesh_dims=fsdp2.DataParallelMeshDims(shard=("replicate", "shard")))
+                fsdp2.fully_shard(
+                    block,
+                    mesh=mesh,
+                    dp_mesh_dims=fsdp2.DataParallelMeshDims(shard=("replicate", "shard")),
+                )
 
         self.assertExpectedInline(
             raised(lambda: fsdp2.plan(MODELS["mlp"].build, shard_flattened, world_size=(3, 2))),
@@ -179,12 +182,24 @@ class TestPlanErrors(expecttest.TestCase):
 
     def test_bad_world_size_and_optimizer(self) -> None:
         self.assertExpectedInline(
-            raised(lambda: fsdp2.plan(MODELS["mlp"].build, world_size=0)), """PlanError: world_size must be a positive int (FSDP) or a pair (replicate, shard) of positive ints (HSDP), got 0"""
+            raised(lambda: fsdp2.plan(MODELS["mlp"].build, world_size=0)),
+            """PlanError: world_size must be a positive int (FSDP) or a pair (replicate, shard) of positive ints (HSDP), got 0""",
         )
         self.assertExpectedInline(
-            raised(lambda: fsdp2.plan(MODELS["mlp"].build, optimizer="lion")), """PlanError: optimizer must be one of ['adam', 'adamw', 'none', 'sgd'] or bytes per parameter element (a number), got 'lion'"""
+            raised(lambda: fsdp2.plan(MODELS["mlp"].build, optimizer="lion")),
+            """PlanError: optimizer must be one of ['adam', 'adamw', 'none', 'sgd'] or bytes per parameter element (a number), got 'lion'""",
         )
 
     def test_process_group_untouched_after_plan(self) -> None:
         fsdp2.plan(MODELS["mlp"].build, world_size=4)
         assert not dist.is_initialized()
+
+    def test_real_process_group_left_alone(self) -> None:
+        text, world = run_on_ranks(1, _plan_inside_process_group, timeout=60)[0]
+        self.assertEqual(world, 1)  # the rank's own group is still there
+        self.assertExpectedInline(text, """PlanError: fsdp2.plan shards over a fake process group of its own, but a process group is already initialized in this process. Plan before init_process_group(), or from the command line: python -m fsdp2.plan ...""")
+
+
+def _plan_inside_process_group() -> tuple[str, int]:
+    text = raised(lambda: fsdp2.plan(MODELS["mlp"].build, world_size=4))
+    return text, dist.get_world_size()

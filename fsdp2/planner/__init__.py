@@ -116,7 +116,9 @@ def _plan_one(
         )
     factor = OPTIMIZER_STATES[optimizer.lower()] if isinstance(optimizer, str) else None
     optim = sum(
-        g.trainable_local_bytes * factor if factor is not None else round(g.trainable_local_numel * float(optimizer))
+        g.trainable_local_bytes * factor
+        if factor is not None
+        else round(g.trainable_local_numel * float(optimizer))
         for g in groups
     )
     unmanaged = [n for n, p in model.named_parameters() if not _is_sharded(p)]
@@ -194,4 +196,3 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
                 if size > sum(p.numel() for b in best for p in b.parameters()):
                     best = children
     return best
-

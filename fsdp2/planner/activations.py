@@ -52,7 +52,7 @@ def activation_bytes(
         tracker.track_external(model)
         with tracker:
             loss = (loss_fn or default_loss)(model(*args))
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
         peak = tracker.get_tracker_snapshot("peak")
     total = 0
     for per_device in peak.values():
@@ -78,6 +78,7 @@ def _build_in(build: Callable[[], nn.Module], dtype: torch.dtype | None) -> nn.M
 def _fake(mode: FakeTensorMode, value: Any, dtype: torch.dtype | None) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
+    fake: torch.Tensor
     if mode.is_our_fake(value):
         fake = value
     elif value.device.type == "meta":  # a shape stand-in: made fake on the default device

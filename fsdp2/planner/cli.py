@@ -85,7 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         worlds = [_world(w) for w in args.world_size.split(",")]
         batch: Any = None
         if args.batch:
-            batch = _load(args.batch) if ":" in args.batch and "." in args.batch else _batch(args.batch)
+            batch = (
+                _load(args.batch) if ":" in args.batch and "." in args.batch else _batch(args.batch)
+            )
         optimizer: str | float = args.optimizer
         if args.optimizer.replace(".", "", 1).isdigit():
             optimizer = float(args.optimizer)

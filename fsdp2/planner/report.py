@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 from fsdp2.planner.estimate import Collective
 from fsdp2.planner.groups import GroupFacts
 
-__all__ = ["Plan", "Comparison"]
+__all__ = ["Comparison", "Plan"]
 
 MiB = 2**20
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -98,27 +99,43 @@ class Plan:
         counts, payload = self.counts(), self.payload_bytes()
         act = "-" if self.activation_bytes is None else _mib(self.activation_bytes)
         rows = [
-            ("parameters (sharded)", f"{_mib(self.param_bytes)}  (padding {_mib(self.param_padding_bytes)})"),
+            (
+                "parameters (sharded)",
+                f"{_mib(self.param_bytes)}  (padding {_mib(self.param_padding_bytes)})",
+            ),
             ("gradients", f"{_mib(self.grad_bytes)}  (padding {_mib(self.grad_padding_bytes)})"),
             (f"optimizer state ({self.optimizer})", _mib(self.optim_bytes)),
             ("buffers", _mib(self.buffer_bytes)),
             ("held between steps", _mib(self.held_bytes)),
-            ("FSDP transient, forward", f"{_mib(self.forward_transient_bytes)}  at {self.forward_transient_at}"),
-            ("FSDP transient, backward", f"{_mib(self.backward_transient_bytes)}  at {self.backward_transient_at}"),
+            (
+                "FSDP transient, forward",
+                f"{_mib(self.forward_transient_bytes)}  at {self.forward_transient_at}",
+            ),
+            (
+                "FSDP transient, backward",
+                f"{_mib(self.backward_transient_bytes)}  at {self.backward_transient_at}",
+            ),
             ("activations (fake-tensor run)", act),
             ("peak (upper bound)", _mib(self.peak_bytes)),
         ]
         for kind in KINDS:
             if counts[kind]:
-                rows.append((f"{kind} per step", f"{counts[kind]} x, {_mib(payload[kind])} payload"))
+                rows.append(
+                    (f"{kind} per step", f"{counts[kind]} x, {_mib(payload[kind])} payload")
+                )
         rows.append(("sent/received per rank per step", _mib(self.wire_bytes)))
         return rows
 
     def __str__(self) -> str:
         title = f"fsdp2.plan: world {'x'.join(map(str, self.world_size))}, {self.num_params:,} parameters, per rank"
         groups = [
-            (g.label or "<root>", f"{g.num_params:,}", _mib(g.unsharded_bytes), _mib(g.sharded_bytes),
-             "yes" if g.reshard_after_forward else "no")
+            (
+                g.label or "<root>",
+                f"{g.num_params:,}",
+                _mib(g.unsharded_bytes),
+                _mib(g.sharded_bytes),
+                "yes" if g.reshard_after_forward else "no",
+            )
             for g in self.groups
         ]
         head = ("group", "params", "unsharded MiB", "shard MiB", "reshard after fwd")
@@ -135,16 +152,37 @@ class Comparison:
         return [p.to_dict() for p in self.plans]
 
     def __str__(self) -> str:
-        head = ("world", "params", "grads", "optim", "held", "transient", "peak", "AG", "RS", "AR", "sent MiB")
+        head = (
+            "world",
+            "params",
+            "grads",
+            "optim",
+            "held",
+            "transient",
+            "peak",
+            "AG",
+            "RS",
+            "AR",
+            "sent MiB",
+        )
         rows = []
         for p in self.plans:
             c = p.counts()
-            rows.append((
-                "x".join(map(str, p.world_size)), _mib(p.param_bytes), _mib(p.grad_bytes),
-                _mib(p.optim_bytes), _mib(p.held_bytes), _mib(p.transient_bytes),
-                _mib(p.peak_bytes), str(c["all_gather"]), str(c["reduce_scatter"]),
-                str(c["all_reduce"]), _mib(p.wire_bytes),
-            ))
+            rows.append(
+                (
+                    "x".join(map(str, p.world_size)),
+                    _mib(p.param_bytes),
+                    _mib(p.grad_bytes),
+                    _mib(p.optim_bytes),
+                    _mib(p.held_bytes),
+                    _mib(p.transient_bytes),
+                    _mib(p.peak_bytes),
+                    str(c["all_gather"]),
+                    str(c["reduce_scatter"]),
+                    str(c["all_reduce"]),
+                    _mib(p.wire_bytes),
+                )
+            )
         notes = self.plans[0].notes if self.plans else []
         return _render("fsdp2.plan: per rank (MiB) as the world grows", [], head, rows, notes)
 
@@ -157,7 +195,7 @@ def _render(
     title: str,
     pairs: list[tuple[str, str]],
     head: tuple[str, ...],
-    rows: list[tuple[str, ...]],
+    rows: Sequence[tuple[str, ...]],
     notes: list[str],
 ) -> str:
     """A rich table where rich is installed, aligned plain text otherwise."""
@@ -166,7 +204,7 @@ def _render(
         from rich.table import Table
     except ImportError:
         return _plain(title, pairs, head, rows, notes)
-    console = Console(width=140, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
+    console = Console(width=140, record=True, file=io.StringIO())
     if pairs:
         summary = Table(title=title, show_header=False)
         summary.add_column(style="bold")
@@ -183,7 +221,6 @@ def _render(
     for note in notes:
         console.print(f"note: {note}", highlight=False)
     text: str = console.export_text()
-    console.file.close()
     return text.rstrip()
 
 
@@ -191,7 +228,7 @@ def _plain(
     title: str,
     pairs: list[tuple[str, str]],
     head: tuple[str, ...],
-    rows: list[tuple[str, ...]],
+    rows: Sequence[tuple[str, ...]],
     notes: list[str],
 ) -> str:
     lines = [title]
@@ -199,6 +236,12 @@ def _plain(
     lines += [f"  {k:<{width}}  {v}" for k, v in pairs]
     widths = [max(len(r[i]) for r in (head, *rows)) for i in range(len(head))]
     for row in (head, *rows):
-        lines.append("  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))))
+        lines.append(
+            "  "
+            + "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w)
+                for i, (c, w) in enumerate(zip(row, widths, strict=True))
+            )
+        )
     lines += [f"note: {n}" for n in notes]
     return "\n".join(lines)
