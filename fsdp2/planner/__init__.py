@@ -148,6 +148,7 @@ def _plan_one(
         forward_transient_at=moves.forward_at,
         backward_transient_bytes=moves.backward_bytes,
         backward_transient_at=moves.backward_at,
+        backward_start_bytes=moves.backward_start_bytes,
         activation_bytes=act,
         collectives=collectives(groups),
         groups=groups,

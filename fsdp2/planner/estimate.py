@@ -75,6 +75,8 @@ class Transient:
     forward_at: str
     backward_bytes: int
     backward_at: str
+    backward_start_bytes: int  # as backward begins (the last group regathered): when
+    # activations are at their peak
 
 
 def transient(groups: list[GroupFacts], prefetch: bool) -> Transient:
@@ -88,7 +90,7 @@ def transient(groups: list[GroupFacts], prefetch: bool) -> Transient:
             fwd, fwd_at = now, g.label or "<root>"
         if not g.reshard_after_forward:
             kept += g.unsharded_bytes
-    bwd, bwd_at = 0, ""
+    bwd, bwd_at, start = 0, "", 0
     order = list(reversed(groups))
     in_flight = 0  # the previous group's reduce-scatter input and output, not finished yet
     # A kept group (the root) may get gradients early (the head's) and is reduced last: count
@@ -109,8 +111,10 @@ def transient(groups: list[GroupFacts], prefetch: bool) -> Transient:
         reducing = kept + early + ahead + in_flight + own + g.reduce_in_bytes + g.reduce_out_bytes
         if not g.reshard_after_forward:
             early -= g.unsharded_grad_bytes
+        if i == 0:
+            start = max(gathering, computed)
         now = max(gathering, computed, reducing)
         if now > bwd:
             bwd, bwd_at = now, g.label or "<root>"
         in_flight = g.reduce_in_bytes + g.reduce_out_bytes
-    return Transient(fwd, fwd_at, bwd, bwd_at)
+    return Transient(fwd, fwd_at, bwd, bwd_at, start)

@@ -44,6 +44,7 @@ class Plan:
     forward_transient_at: str
     backward_transient_bytes: int
     backward_transient_at: str
+    backward_start_bytes: int  # the transient as backward begins, when activations peak
     activation_bytes: int | None  # None: no example batch given
     collectives: list[Collective]
     groups: list[GroupFacts]
@@ -60,8 +61,12 @@ class Plan:
 
     @property
     def peak_bytes(self) -> int:
-        """Held + FSDP transient + activations: an upper bound (they need not peak together)."""
-        return self.held_bytes + self.transient_bytes + (self.activation_bytes or 0)
+        """The step's peak: activations are largest as backward begins, before gradients
+        exist (those of the previous step were dropped by ``zero_grad``), beside the groups
+        gathered then; later, gradients grow as activations are freed, so the FSDP transient's
+        own peak is taken with every gradient held (an upper bound for that phase)."""
+        start = self.held_bytes - self.grad_bytes + self.backward_start_bytes
+        return max(start + (self.activation_bytes or 0), self.held_bytes + self.transient_bytes)
 
     def counts(self) -> dict[str, int]:
         return {k: sum(c.kind == k for c in self.collectives) for k in KINDS}
@@ -116,7 +121,7 @@ class Plan:
                 f"{_mib(self.backward_transient_bytes)}  at {self.backward_transient_at}",
             ),
             ("activations (fake-tensor run)", act),
-            ("peak (upper bound)", _mib(self.peak_bytes)),
+            ("peak", _mib(self.peak_bytes)),
         ]
         for kind in KINDS:
             if counts[kind]:

@@ -1,0 +1,79 @@
+"""fsdp2.plan's predictions next to what a real run allocates (CPU allocator counter).
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/plan_accuracy.py --model gpt
+    python benchmarks/plan_accuracy.py --model llama            # W=1
+
+Rank 0 plans first (before the process group exists), then every rank trains: two AdamW steps,
+then bytes live (held between steps: params, grads, optimizer state, buffers), then the peak of
+one more forward+backward after zero_grad (the FSDP transient, activations and the gradients
+arriving), against the plan's held bytes and its peak bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fsdp2 from this checkout
+import fsdp2
+from measure import CPUMemory
+from workloads import DEFAULT_SIZES, MODELS, blocks_of, build_model, make_batch
+
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+parser.add_argument("--model", choices=MODELS, default="gpt")
+parser.add_argument("--batch", type=int, default=8, help="global batch (%(default)s)")
+args = parser.parse_args()
+torch.set_num_threads(1)
+size = DEFAULT_SIZES[args.model]
+world = int(os.environ.get("WORLD_SIZE", "1"))
+rank = int(os.environ.get("RANK", "0"))
+inputs, targets = make_batch(args.model, size, args.batch)
+local = (inputs.chunk(world)[rank], targets.chunk(world)[rank])
+
+
+def shard(model: torch.nn.Module) -> None:
+    for block in blocks_of(model):
+        fsdp2.fully_shard(block)
+    fsdp2.fully_shard(model)
+
+
+plan = fsdp2.plan(
+    lambda: build_model(args.model, size), shard, world_size=world, device="cpu", batch=local
+)
+if world > 1:
+    dist.init_process_group("gloo")
+mem = CPUMemory()
+with mem:
+    gc.collect()
+    base = mem.settled_live_bytes()
+    torch.manual_seed(0)
+    model = build_model(args.model, size)
+    if world > 1:
+        shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        opt.zero_grad(set_to_none=True)
+        model(*local)[1].backward()
+        opt.step()
+    held = mem.settled_live_bytes() - base
+    opt.zero_grad(set_to_none=True)
+    gc.collect()
+    start = mem.settled_live_bytes() - base
+    mem.reset_peak()
+    model(*local)[1].backward()
+    peak = mem.peak_bytes() - base
+    opt.step()
+if rank == 0:
+    MiB = 2**20
+    print(plan)
+    print(f"measured held {held / MiB:.3f} MiB vs planned {plan.held_bytes / MiB:.3f} MiB")
+    print(f"measured peak {peak / MiB:.3f} MiB (step start {start / MiB:.3f}) vs planned bound "
+          f"{plan.peak_bytes / MiB:.3f} MiB ({(plan.peak_bytes / peak - 1) * 100:+.1f}%)")
+if world > 1:
+    dist.destroy_process_group()
