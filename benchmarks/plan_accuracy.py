@@ -73,7 +73,9 @@ if rank == 0:
     MiB = 2**20
     print(plan)
     print(f"measured held {held / MiB:.3f} MiB vs planned {plan.held_bytes / MiB:.3f} MiB")
-    print(f"measured peak {peak / MiB:.3f} MiB (step start {start / MiB:.3f}) vs planned bound "
-          f"{plan.peak_bytes / MiB:.3f} MiB ({(plan.peak_bytes / peak - 1) * 100:+.1f}%)")
+    print(
+        f"measured peak {peak / MiB:.3f} MiB (step start {start / MiB:.3f}) vs planned bound "
+        f"{plan.peak_bytes / MiB:.3f} MiB ({(plan.peak_bytes / peak - 1) * 100:+.1f}%)"
+    )
 if world > 1:
     dist.destroy_process_group()

@@ -11,7 +11,6 @@ from fsdp2.api import (
 from fsdp2.auto import AutoShardResult, auto_shard
 from fsdp2.full_params import summon_full_params
 from fsdp2.grad_scaler import ShardedGradScaler
-
 from fsdp2.planner import Plan, plan
 from fsdp2.policies import (
     CPUOffloadPolicy,

@@ -8,6 +8,7 @@ which holds the most real rows).
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 import time
@@ -18,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import fsdp2
@@ -43,7 +45,14 @@ def shard_blocks_bf16(model: nn.Module) -> None:
     shard_blocks(model, mp=True)
 
 
-SHARDERS = {"plain": shard_blocks, "bf16": shard_blocks_bf16}
+def shard_blocks_hsdp(model: nn.Module, mesh: DeviceMesh) -> None:
+    """HSDP over a (replicate, shard) mesh: the planner passes its fake mesh."""
+    for block in model.blocks:  # type: ignore[union-attr]
+        fsdp2.fully_shard(block, mesh=mesh)
+    fsdp2.fully_shard(model, mesh=mesh)
+
+
+SHARDERS = {"plain": shard_blocks, "bf16": shard_blocks_bf16, "hsdp": shard_blocks_hsdp}
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:
@@ -55,13 +64,17 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
-def _real_step(model_name: str, sharder: str) -> dict[str, Any]:
+def _real_step(model_name: str, sharder: str, mesh_shape: tuple[int, ...]) -> dict[str, Any]:
     """One AdamW step on this rank; what it holds afterwards and what it sent."""
     from fsdp2.collectives import record_collectives
     from fsdp2.module import state_of
 
     model = build_model(model_name, MODEL_SEED)
-    SHARDERS[sharder](model)
+    if len(mesh_shape) == 2:
+        names = ("replicate", "shard")
+        shard_blocks_hsdp(model, init_device_mesh("cpu", mesh_shape, mesh_dim_names=names))
+    else:
+        SHARDERS[sharder](model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = make_batch(model_name, batch_seed(0, dist.get_rank()), 2)
     with record_collectives() as records:
@@ -81,7 +94,7 @@ def _real_step(model_name: str, sharder: str) -> dict[str, Any]:
     }
 
 
-def _plan(model_name: str, sharder: str, world_size: int) -> fsdp2.Plan:
+def _plan(model_name: str, sharder: str, world_size: int | tuple[int, int]) -> fsdp2.Plan:
     return fsdp2.plan(
         MODELS[model_name].build, SHARDERS[sharder], world_size=world_size, device="cpu"
     )
@@ -89,13 +102,24 @@ def _plan(model_name: str, sharder: str, world_size: int) -> fsdp2.Plan:
 
 @pytest.mark.parametrize(
     ("model_name", "sharder", "world_size"),
-    [("gpt", "plain", 2), ("gpt", "bf16", 2), ("odd_shapes", "plain", 2), ("gpt", "plain", 1)],
+    [
+        ("gpt", "plain", 2),
+        ("gpt", "bf16", 2),
+        ("odd_shapes", "plain", 2),
+        ("gpt", "plain", 1),
+        ("gpt", "hsdp", (1, 2)),
+        ("mlp", "hsdp", (2, 1)),
+    ],
 )
-def test_plan_matches_real_run(model_name: str, sharder: str, world_size: int) -> None:
+def test_plan_matches_real_run(
+    model_name: str, sharder: str, world_size: int | tuple[int, int]
+) -> None:
     """Bytes held between steps and collectives per step: exactly what rank 0 allocates and
-    sends (odd_shapes pads; bf16 gathers in bf16 and reduces in fp32; one rank sends nothing)."""
+    sends (odd_shapes pads; bf16 gathers in bf16 and reduces in fp32; one rank sends nothing;
+    HSDP all-reduces over the replicas, even one)."""
     plan = _plan(model_name, sharder, world_size)
-    ranks = run_on_ranks(world_size, _real_step, model_name, sharder, timeout=120)
+    shape = (world_size,) if isinstance(world_size, int) else world_size
+    ranks = run_on_ranks(math.prod(shape), _real_step, model_name, sharder, shape, timeout=120)
     real, last = ranks[0], ranks[-1]
     assert plan.param_bytes == real["flat"] == last["flat"]
     assert sum(g.param_bytes for g in plan.groups) == real["params"]
@@ -107,7 +131,15 @@ def test_plan_matches_real_run(model_name: str, sharder: str, world_size: int) -
     predicted = [
         (c.kind, c.label, c.input_nbytes, c.output_nbytes, c.world_size) for c in plan.collectives
     ]
-    assert predicted == real["records"]
+    # An HSDP all-reduce is issued when its reduce-scatter is found finished, which depends on
+    # timing; every other collective's place is fixed. So: each kind in order, exactly.
+    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+        assert [c for c in predicted if c[0] == kind] == [
+            r for r in real["records"] if r[0] == kind
+        ]
+    assert len(predicted) == len(real["records"])
+    if isinstance(world_size, int):  # without all-reduces, the whole order is fixed too
+        assert predicted == real["records"]
     if model_name == "odd_shapes" and world_size > 1:
         assert plan.param_padding_bytes > 0  # the case is there to exercise padding
 
@@ -197,7 +229,10 @@ class TestPlanErrors(expecttest.TestCase):
     def test_real_process_group_left_alone(self) -> None:
         text, world = run_on_ranks(1, _plan_inside_process_group, timeout=60)[0]
         self.assertEqual(world, 1)  # the rank's own group is still there
-        self.assertExpectedInline(text, """PlanError: fsdp2.plan shards over a fake process group of its own, but a process group is already initialized in this process. Plan before init_process_group(), or from the command line: python -m fsdp2.plan ...""")
+        self.assertExpectedInline(
+            text,
+            """PlanError: fsdp2.plan shards over a fake process group of its own, but a process group is already initialized in this process. Plan before init_process_group(), or from the command line: python -m fsdp2.plan ...""",
+        )
 
 
 def _plan_inside_process_group() -> tuple[str, int]:

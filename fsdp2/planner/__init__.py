@@ -91,6 +91,7 @@ def _plan_one(
 ) -> Plan:
     shape = mesh_shape_of(world_size)
     notes: list[str] = []
+    given_shard = shard
     model = build_on_meta(build)
     with fake_mesh(shape) as mesh:
         if shard is None:
@@ -156,7 +157,7 @@ def _plan_one(
         _replan=functools.partial(
             _plan_one,
             build,
-            shard if not notes or not notes[0].startswith("no shard") else None,
+            given_shard,
             optimizer=optimizer,
             device=device,
             fully_shard_kwargs=fully_shard_kwargs,

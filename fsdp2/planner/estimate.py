@@ -53,7 +53,7 @@ def collectives(groups: list[GroupFacts]) -> list[Collective]:
                     "reduce_scatter", g.label, g.reduce_in_bytes, g.reduce_out_bytes, g.shard_world
                 )
             )
-        if g.num_trainable and g.replicate_world > 1:
+        if g.num_trainable and g.replicate_world:  # HSDP all-reduces even over one replica
             nbytes = g.reduce_out_bytes
             out.append(Collective("all_reduce", g.label, nbytes, nbytes, g.replicate_world))
     return out

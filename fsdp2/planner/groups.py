@@ -25,7 +25,7 @@ class GroupFacts:
     num_params: int  # elements of its parameters (unsharded)
     num_trainable: int
     shard_world: int
-    replicate_world: int
+    replicate_world: int  # 0: no replicate dim (plain FSDP); else HSDP's replicas (even 1)
     param_dtype: str
     reduce_dtype: str
     reshard_after_forward: bool
@@ -64,7 +64,8 @@ def collect_groups(model: nn.Module) -> list[GroupFacts]:
 
 
 def _facts(group: FSDPParamGroup, label: str, is_root: bool, reshard: bool) -> GroupFacts:
-    world, replicas = group.world, group.info.replicate_size
+    world = group.world
+    replicas = group.info.replicate_size if group.info.replicate_group is not None else 0
     unit = group.sharded_flat.element_size()  # 1 for a mixed-dtype group's byte buffers
     gather_unit = 1 if group.mixed else group.param_dtype.itemsize
     reduce_unit = group.reduce_dtype.itemsize
@@ -97,7 +98,7 @@ def _facts(group: FSDPParamGroup, label: str, is_root: bool, reshard: bool) -> G
         grad_last_bytes=sum(_last_rank_bytes(p, world) for p in trainable),
         unsharded_grad_bytes=sum(p.numel * p.param_dtype.itemsize for p in trainable),
         reduce_in_bytes=world * chunk_numel * reduce_unit if world > 1 else 0,
-        reduce_out_bytes=chunk_numel * reduce_unit if world > 1 or replicas > 1 else 0,
+        reduce_out_bytes=chunk_numel * reduce_unit if world > 1 or replicas else 0,
         trainable_local_numel=sum(p.local_numel for p in trainable),
         trainable_local_bytes=sum(p.local_numel * p.dtype.itemsize for p in trainable),
     )

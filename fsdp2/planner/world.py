@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["PlanError", "build_on_meta", "fake_mesh", "mesh_shape_of"]
+__all__ = ["PlanError", "build_on_meta", "call_shard", "fake_mesh", "mesh_shape_of"]
 
 # Real (non-meta) bytes a build function may allocate, e.g. a small table built with an explicit
 # device. Beyond this it is building the model for real, which is what planning must avoid.
