@@ -8,8 +8,11 @@ which holds the most real rows).
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import subprocess
+import sys
 import resource
 import time
 from typing import Any
@@ -238,3 +241,27 @@ class TestPlanErrors(expecttest.TestCase):
 def _plan_inside_process_group() -> tuple[str, int]:
     text = raised(lambda: fsdp2.plan(MODELS["mlp"].build, world_size=4))
     return text, dist.get_world_size()
+
+
+def test_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m fsdp2.plan``: JSON per world size; without --shard it says how it sharded."""
+    from fsdp2.planner.cli import main
+
+    assert main(["tests.models:GPT", "--world-size", "2,4", "--batch", "2x16,2x16", "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)
+    assert [p["world_size"] for p in plans] == [[2], [4]]
+    assert plans[0]["activation_bytes"] > 0
+    assert "no shard function given" in plans[0]["notes"][0]
+    assert main(["tests.models:GPT", "--world-size", "two"]) == 2
+    assert "expected N or RxS" in capsys.readouterr().err
+
+
+def test_module_entry_point() -> None:
+    """``python -m fsdp2.plan`` runs although ``fsdp2.plan`` is the function."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run(
+        [sys.executable, "-m", "fsdp2.plan", "tests.models:MLPStack", "--world-size", "2"],
+        capture_output=True, text=True, env=env, timeout=120, check=True,
+    ).stdout
+    assert "held between steps" in out
+    assert callable(fsdp2.plan)

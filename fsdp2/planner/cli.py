@@ -6,6 +6,7 @@ import argparse
 import importlib
 import importlib.util
 import json
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -42,7 +43,9 @@ def _load(spec: str) -> Callable[..., Any]:
 
 def _world(text: str) -> int | tuple[int, ...]:
     """``8`` or ``2x4`` (replicate x shard)."""
-    parts = tuple(int(n) for n in text.lower().split("x"))
+    if not re.fullmatch(r"\d+(x\d+)?", text.strip().lower()):
+        raise PlanError(f"--world-size: expected N or RxS (e.g. 8 or 2x4), got {text!r}")
+    parts = tuple(int(n) for n in text.strip().lower().split("x"))
     return parts[0] if len(parts) == 1 else parts
 
 
