@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import subprocess
 import sys
-import resource
 import time
 from typing import Any
 
@@ -261,7 +261,41 @@ def test_module_entry_point() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     out = subprocess.run(
         [sys.executable, "-m", "fsdp2.plan", "tests.models:MLPStack", "--world-size", "2"],
-        capture_output=True, text=True, env=env, timeout=120, check=True,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=True,
     ).stdout
     assert "held between steps" in out
     assert callable(fsdp2.plan)
+
+
+class TestPlanText(expecttest.TestCase):
+    def test_plain_text_without_rich(self) -> None:
+        """Without rich installed, the same tables in aligned plain text."""
+        plan = fsdp2.plan(MODELS["mlp"].build, shard_blocks, world_size=2, device="cpu")
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setitem(sys.modules, "rich.console", None)  # makes `import rich...` fail
+            self.assertExpectedInline(
+                str(plan),
+                """\
+fsdp2.plan: world 2, 756 parameters, per rank
+  parameters (sharded)                 1.48 KiB  (padding 0 B)
+  gradients                            1.48 KiB  (padding 0 B)
+  optimizer state (adamw)              2.95 KiB
+  buffers                              0 B
+  held between steps                   5.91 KiB
+  FSDP transient, forward              2.39 KiB  at blocks.1
+  FSDP transient, backward             4.78 KiB  at blocks.1
+  activations (fake-tensor run)        -
+  peak                                 10.69 KiB
+  all_gather per step                  7 x, 5.64 KiB payload
+  reduce_scatter per step              4 x, 2.95 KiB payload
+  sent (= received) per rank per step  4.30 KiB
+  group     params  unsharded  shard  reshard after fwd
+  <root>        68      272 B  136 B                 no
+  blocks.0     144      576 B  288 B                yes
+  blocks.1     272   1.06 KiB  544 B                yes
+  blocks.2     272   1.06 KiB  544 B                yes""",
+            )

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp2.planner.activations import activation_bytes
 from fsdp2.planner.estimate import collectives, transient
-from fsdp2.planner.groups import collect_groups
+from fsdp2.planner.groups import GroupFacts, collect_groups
 from fsdp2.planner.report import Comparison, Plan
 from fsdp2.planner.world import PlanError, build_on_meta, call_shard, fake_mesh, mesh_shape_of
 
@@ -46,6 +46,11 @@ def plan(
     bytes per trainable parameter element. ``batch``: one rank's example inputs (tensors, or a
     function returning them), to estimate activations. ``device``: the target's type, which
     decides backward prefetch (fsdp2 does not prefetch on CPU meshes)."""
+    if shard is not None and fully_shard_kwargs:
+        raise PlanError(
+            f"fully_shard options {sorted(fully_shard_kwargs)} apply only without a shard "
+            "function; pass them in your shard function's fully_shard calls instead"
+        )
     if isinstance(optimizer, str) and optimizer.lower() not in OPTIMIZER_STATES:
         raise PlanError(
             f"optimizer must be one of {sorted(OPTIMIZER_STATES)} or bytes per parameter "
@@ -90,38 +95,7 @@ def _plan_one(
     activations: Callable[[torch.dtype | None], int | None],
 ) -> Plan:
     shape = mesh_shape_of(world_size)
-    notes: list[str] = []
-    given_shard = shard
-    model = build_on_meta(build)
-    with fake_mesh(shape) as mesh:
-        if shard is None:
-            shard, how = default_shard(fully_shard_kwargs)
-            notes.append(f"no shard function given: {how}")
-        elif fully_shard_kwargs:
-            raise PlanError(
-                f"fully_shard options {sorted(fully_shard_kwargs)} apply only without a shard "
-                "function; pass them in your shard function's fully_shard calls instead"
-            )
-        try:
-            call_shard(shard, model, mesh)
-        except PlanError:
-            raise
-        except (ValueError, NotImplementedError) as e:
-            raise PlanError(f"sharding at world size {shape} failed: {e}") from e
-        groups = collect_groups(model)
-    if not groups:
-        raise PlanError(
-            "the shard function did not call fully_shard on the model (no fsdp2 parameter "
-            "group was found). It must apply fsdp2.fully_shard (or fsdp2.auto_shard) to the "
-            "model it is given, e.g. its blocks and then the model itself"
-        )
-    factor = OPTIMIZER_STATES[optimizer.lower()] if isinstance(optimizer, str) else None
-    optim = sum(
-        g.trainable_local_bytes * factor
-        if factor is not None
-        else round(g.trainable_local_numel * float(optimizer))
-        for g in groups
-    )
+    model, groups, notes = _shard_on_fake_mesh(build, shard, shape, fully_shard_kwargs)
     unmanaged = [n for n, p in model.named_parameters() if not _is_sharded(p)]
     if unmanaged:
         notes.append(f"{len(unmanaged)} parameters not sharded (e.g. {unmanaged[0]}): not counted")
@@ -143,7 +117,7 @@ def _plan_one(
         param_padding_bytes=sum(g.sharded_bytes - g.param_last_bytes for g in groups),
         grad_bytes=sum(g.grad_bytes for g in groups),
         grad_padding_bytes=sum(g.grad_bytes - g.grad_last_bytes for g in groups),
-        optim_bytes=optim,
+        optim_bytes=_optimizer_bytes(groups, optimizer),
         buffer_bytes=buffers,
         forward_transient_bytes=moves.forward_bytes,
         forward_transient_at=moves.forward_at,
@@ -157,13 +131,51 @@ def _plan_one(
         _replan=functools.partial(
             _plan_one,
             build,
-            given_shard,
+            shard,
             optimizer=optimizer,
             device=device,
             fully_shard_kwargs=fully_shard_kwargs,
             activations=activations,
         ),
     )
+
+
+def _shard_on_fake_mesh(
+    build: Callable[[], nn.Module],
+    shard: Callable[..., Any] | None,
+    shape: tuple[int, ...],
+    fully_shard_kwargs: dict[str, Any],
+) -> tuple[nn.Module, list[GroupFacts], list[str]]:
+    """The model built on meta and sharded by ``shard`` (or the default) over a fake mesh."""
+    notes = []
+    model = build_on_meta(build)
+    with fake_mesh(shape) as mesh:
+        if shard is None:
+            shard, how = default_shard(fully_shard_kwargs)
+            notes.append(f"no shard function given: {how}")
+        try:
+            call_shard(shard, model, mesh)
+        except PlanError:
+            raise
+        except (ValueError, NotImplementedError) as e:
+            raise PlanError(f"sharding at world size {shape} failed: {e}") from e
+        groups = collect_groups(model)
+    if not groups:
+        raise PlanError(
+            "the shard function did not call fully_shard on the model (no fsdp2 parameter "
+            "group was found). It must apply fsdp2.fully_shard (or fsdp2.auto_shard) to the "
+            "model it is given, e.g. its blocks and then the model itself"
+        )
+    return model, groups, notes
+
+
+def _optimizer_bytes(groups: list[GroupFacts], optimizer: str | float) -> int:
+    """State per trainable element: in units of its own dtype for a named optimizer (torch
+    keeps moments in the parameter's dtype), or the bytes given."""
+    if isinstance(optimizer, str):
+        factor = OPTIMIZER_STATES[optimizer.lower()]
+        return sum(g.trainable_local_bytes * factor for g in groups)
+    return sum(round(g.trainable_local_numel * float(optimizer)) for g in groups)
 
 
 def _is_sharded(param: nn.Parameter) -> bool:

@@ -13,7 +13,6 @@ from fsdp2.planner.groups import GroupFacts
 
 __all__ = ["Comparison", "Plan"]
 
-MiB = 2**20
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
@@ -128,7 +127,7 @@ class Plan:
                 rows.append(
                     (f"{kind} per step", f"{counts[kind]} x, {_mib(payload[kind])} payload")
                 )
-        rows.append(("sent/received per rank per step", _mib(self.wire_bytes)))
+        rows.append(("sent (= received) per rank per step", _mib(self.wire_bytes)))
         return rows
 
     def __str__(self) -> str:
@@ -143,7 +142,7 @@ class Plan:
             )
             for g in self.groups
         ]
-        head = ("group", "params", "unsharded MiB", "shard MiB", "reshard after fwd")
+        head = ("group", "params", "unsharded", "shard", "reshard after fwd")
         return _render(title, self.summary_rows(), head, groups, self.notes)
 
 
@@ -168,7 +167,7 @@ class Comparison:
             "AG",
             "RS",
             "AR",
-            "sent MiB",
+            "sent",
         )
         rows = []
         for p in self.plans:
@@ -189,11 +188,18 @@ class Comparison:
                 )
             )
         notes = self.plans[0].notes if self.plans else []
-        return _render("fsdp2.plan: per rank (MiB) as the world grows", [], head, rows, notes)
+        return _render("fsdp2.plan: per rank as the world grows", [], head, rows, notes)
 
 
 def _mib(nbytes: int) -> str:
-    return f"{nbytes / MiB:,.3f} MiB"
+    """Bytes in the largest binary unit that keeps the number at least 1 (3 significant-ish
+    digits): what a reader compares against a device's memory."""
+    value, unit = float(nbytes), "B"
+    for next_unit in ("KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024:
+            break
+        value, unit = value / 1024, next_unit
+    return f"{nbytes} B" if unit == "B" else f"{value:,.2f} {unit}"
 
 
 def _render(
