@@ -179,7 +179,20 @@ def test_plan_7b_at_scale_allocates_nothing() -> None:
     for plan in plans:  # fp32 params, grads and AdamW's two states: 16 bytes per parameter
         ideal = 16 * plans[0].num_params / plan.world_size[0]
         assert ideal <= plan.held_bytes - plan.buffer_bytes < 1.05 * ideal  # + padding
-    assert [p.counts()["all_gather"] for p in plans] == [65, 65, 65]  # 32 blocks twice + root
+    # auto_shard: 32 blocks gathered in forward, again in backward but for the last one (kept
+    # gathered after forward), and the root once.
+    assert [p.counts()["all_gather"] for p in plans] == [64, 64, 64]
+    assert "auto_shard" in plans[0].notes[0]
+
+
+def test_fallback_without_auto_shard(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where fsdp2.auto_shard is missing, each repeated block and then the root, and says so."""
+    monkeypatch.delattr(fsdp2, "auto_shard")
+    plan = fsdp2.plan(MODELS["mlp"].build, world_size=2)
+    assert [g.label for g in plan.groups] == ["", "blocks.0", "blocks.1", "blocks.2"]
+    assert plan.notes == [
+        "no shard function given: sharded each repeated block, then the root (planner's fallback)"
+    ]
 
 
 class TestPlanErrors(expecttest.TestCase):
