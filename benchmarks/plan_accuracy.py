@@ -69,12 +69,21 @@ with mem:
     model(*local)[1].backward()
     peak = mem.peak_bytes() - base
     opt.step()
+helds = [held]
+if world > 1:  # the last rank: fewest real rows, so padding in its buffers
+    helds = [0] * world
+    dist.all_gather_object(helds, held)
 if rank == 0:
     MiB = 2**20
     print(plan)
-    print(f"measured held {held / MiB:.3f} MiB vs planned {plan.held_bytes / MiB:.3f} MiB")
+    steps = 4 * sum(1 for p in model.parameters() if p.requires_grad)  # AdamW's 0-d step
+    print(f"held: measured {held} B vs planned {plan.held_bytes} B + {steps} B of step counts")
+    # Shard and gradient buffers are the same size on every rank; AdamW's state follows the
+    # real rows, of which the last rank has the fewest (2 states x its real gradient rows).
+    last = plan.held_bytes - plan.optim_bytes + 2 * sum(g.grad_last_bytes for g in plan.groups)
+    print(f"last rank held: measured {helds[-1]} B vs planned {last} B + {steps} B")
     print(
-        f"measured peak {peak / MiB:.3f} MiB (step start {start / MiB:.3f}) vs planned bound "
+        f"measured peak {peak / MiB:.3f} MiB (step start {start / MiB:.3f}) vs planned "
         f"{plan.peak_bytes / MiB:.3f} MiB ({(plan.peak_bytes / peak - 1) * 100:+.1f}%)"
     )
 if world > 1:
