@@ -1,4 +1,5 @@
-"""The only place fsdp2 talks to ``torch.distributed``: one all-gather and one reduce-scatter.
+"""The only place fsdp2 talks to ``torch.distributed``: all-gather, reduce-scatter, all-reduce and
+all-to-all (the last for matrix optimizers, :mod:`fsdp2.optim`).
 
 Every collective goes through :func:`all_gather` or :func:`reduce_scatter`, which is also the
 seam where :func:`record_collectives` observes them (tests count them, benchmarks sum bytes).
@@ -29,6 +30,7 @@ __all__ = [
     "SymmMemReduceScatter",
     "all_gather",
     "all_reduce",
+    "all_to_all",
     "record_collectives",
     "reduce_scatter",
 ]
@@ -347,3 +349,22 @@ def all_reduce(
     if _recorders:
         _record("all_reduce", label, tensor, tensor, group)
     return Pending(dist.all_reduce(tensor, op=op, group=group, async_op=True))
+
+
+def all_to_all(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    out_splits: Sequence[int],
+    in_splits: Sequence[int],
+    group: dist.ProcessGroup,
+    label: str,
+) -> Pending:
+    """Send ``inp``'s i-th split (``in_splits[i]`` elements of the 1-D ``inp``) to rank i of
+    ``group``; rank j's split for this rank lands in ``out``'s j-th split (``out_splits[j]``).
+    Splits may be uneven (and zero): matrix optimizers move whole matrices' shards this way."""
+    if _recorders:
+        _record("all_to_all", label, inp, out, group)
+    work = dist.all_to_all_single(
+        out, inp, list(out_splits), list(in_splits), group=group, async_op=True
+    )
+    return Pending(work)

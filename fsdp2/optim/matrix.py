@@ -1,0 +1,213 @@
+"""The base of matrix optimizers on sharded parameters, and the AdamW that rides along.
+
+[Note: the matrix optimizer protocol]
+A subclass of :class:`MatrixOptimizer` says three things about a matrix parameter; the base does
+the rest (owners, the all-to-all exchange, param groups, AdamW for everything else, state dict):
+
+- ``matrix_input(param, grad, group, state) -> Tensor``: elementwise, on this rank's shard
+  (``to_local()``): update the sharded state (momentum) and return the shard of the matrix the
+  whole-matrix step needs.
+- ``whole_matrix_update(index, full, group) -> Tensor``: at the owner only, on the full matrix
+  (3-D: a stack of matrices): the full update. ``index`` is the parameter's position in the
+  optimizer (``self.matrix_params()[index]``), stable across ranks and steps, for owner-side
+  caches. State kept here lives on the owner only and is not in the state dict.
+- ``apply_update(param, update, group)``: elementwise, on this rank's shard: apply the shard of
+  the update that came back.
+
+Per-parameter state lives in ``self.state[param]`` as tensors shaped like the parameter
+(DTensors for sharded ones), so ``state_dict()`` and ``torch.distributed.checkpoint`` save and
+reshard it like AdamW's. Elementwise arithmetic is written as separate multiplies and adds (no
+fused ``addcmul``/``lerp``): each op rounds once, the same on a shard as on the full tensor, so a
+sharded step is bitwise the single-process step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from fsdp2.optim.owners import MatrixLayout, assign_owners, exchange, matrix_layout
+
+__all__ = ["MatrixOptimizer", "ParamsT"]
+
+ParamsT = Iterable[torch.Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, torch.Tensor]]
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class MatrixOptimizer(torch.optim.Optimizer):
+    """Matrix params (2-D, and 3-D stacks) get a whole-matrix step; every other parameter, and
+    the ones the user sends there (``adamw_params``, or a group with ``use_muon=False``), AdamW.
+    See [Note: the matrix optimizer protocol]."""
+
+    def __init__(
+        self,
+        params: ParamsT,
+        defaults: dict[str, Any],
+        *,
+        adamw_params: Iterable[torch.Tensor] = (),
+        adamw_lr: float = 3e-4,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.0,
+    ) -> None:
+        adamw = {"lr": adamw_lr, "betas": adamw_betas, "eps": adamw_eps}
+        adamw["weight_decay"] = adamw_weight_decay
+        groups = _split_groups(params, {id(p) for p in adamw_params}, adamw)
+        super().__init__(groups, {**defaults, **{"betas": adamw_betas, "eps": adamw_eps}})
+        self._layouts: list[MatrixLayout] | None = None
+        self._layouts_for: list[int] = []
+        self._check_groups()
+
+    # -- the protocol ------------------------------------------------------------------------
+
+    def matrix_input(
+        self, param: torch.Tensor, grad: torch.Tensor, group: dict[str, Any], state: dict[str, Any]
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def whole_matrix_update(
+        self, index: int, full: torch.Tensor, group: dict[str, Any]
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def apply_update(self, param: torch.Tensor, update: torch.Tensor, group: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    # -- machinery ---------------------------------------------------------------------------
+
+    def matrix_params(self) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+        return [(p, g) for g in self.param_groups if g["use_muon"] for p in g["params"]]
+
+    def _check_groups(self) -> None:
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if group["use_muon"] and p.ndim not in (2, 3):
+                    raise ValueError(
+                        f"{type(self).__name__}: parameter {_name(group, gi, pi)} has "
+                        f"{p.ndim} dims in a group with use_muon=True; only 2-D matrices and "
+                        "3-D stacks of them get whole-matrix updates. Put it in a group with "
+                        "use_muon=False."
+                    )
+        self.layouts()  # refuses unsupported shardings now, on every rank
+
+    def layouts(self) -> list[MatrixLayout]:
+        """Every matrix parameter's layout with its owner (cached while the params stay)."""
+        params = self.matrix_params()
+        ids = [id(p) for p, _ in params]
+        if self._layouts is None or ids != self._layouts_for:
+            names = [
+                _name(g, gi, pi)
+                for gi, g in enumerate(self.param_groups)
+                if g["use_muon"]
+                for pi in range(len(g["params"]))
+            ]
+            raw = [matrix_layout(p, n) for (p, _), n in zip(params, names)]
+            self._layouts, self._layouts_for = assign_owners(raw), ids
+        return self._layouts
+
+    def whole_matrix_updates(
+        self, items: list[tuple[int, torch.Tensor]]
+    ) -> dict[int, torch.Tensor]:
+        """This rank's shard of the whole-matrix update of each ``(index, input shard)``."""
+        layouts = self.layouts()
+        groups = [g for _, g in self.matrix_params()]
+        out: dict[int, torch.Tensor] = {}
+        buckets: dict[tuple[str, torch.dtype], list[tuple[int, torch.Tensor]]] = {}
+        for i, x in items:
+            group = layouts[i].group
+            if group is None:
+                out[i] = self.whole_matrix_update(i, x, groups[i]).to(x.dtype)
+            else:
+                buckets.setdefault((group.group_name, x.dtype), []).append((i, x))
+        for bucket in buckets.values():  # first-appearance order: the same on every rank
+            ids = [i for i, _ in bucket]
+            shards = exchange(
+                [layouts[i] for i in ids],
+                [x for _, x in bucket],
+                lambda j, full: self.whole_matrix_update(ids[j], full, groups[ids[j]]),
+            )
+            out.update(zip(ids, shards))
+        return out
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        items: list[tuple[int, torch.Tensor]] = []
+        params = self.matrix_params()
+        for i, (p, group) in enumerate(params):
+            # A matrix without a gradient on every rank is skipped on every rank (grads of
+            # sharded params exist everywhere or nowhere), so the exchange stays in step.
+            if p.grad is not None:
+                state = self.state[p]
+                items.append((i, self.matrix_input(p, local(p.grad), group, state)))
+        updates = self.whole_matrix_updates(items)
+        for i, update in updates.items():
+            self.apply_update(params[i][0], update, params[i][1])
+        for group in self.param_groups:
+            if not group["use_muon"]:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        _adamw(p, self.state[p], group)
+        return loss
+
+
+def _name(group: dict[str, Any], gi: int, pi: int) -> str:
+    names = group.get("param_names")
+    return names[pi] if names else f"param_groups[{gi}]['params'][{pi}]"
+
+
+def _split_groups(
+    params: ParamsT, adamw_ids: set[int], adamw: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """Each user group without ``use_muon`` becomes a matrix part (2-D/3-D params not listed in
+    ``adamw_params``, the group's own settings) and an AdamW part (the ``adamw_*`` settings)."""
+    given = list(params)
+    groups = given if given and isinstance(given[0], dict) else [{"params": given}]
+    out: list[dict[str, Any]] = []
+    for group in groups:
+        items = list(group["params"])
+        if "use_muon" in group:
+            out.append({**({} if group["use_muon"] else adamw), **group, "params": items})
+            continue
+
+        def tensor(item: Any) -> torch.Tensor:
+            return item[1] if isinstance(item, tuple) else item
+
+        def is_matrix(t: torch.Tensor) -> bool:
+            return t.ndim in (2, 3) and id(t) not in adamw_ids
+
+        matrices = [x for x in items if is_matrix(tensor(x))]
+        others = [x for x in items if not is_matrix(tensor(x))]
+        if matrices:
+            out.append({**group, "params": matrices, "use_muon": True})
+        if others:
+            out.append({**adamw, "params": others, "use_muon": False})
+    return out
+
+
+def _adamw(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+    """One AdamW step on this rank's shard, in separately rounded ops (see the Note)."""
+    g, x = local(p.grad), local(p)  # type: ignore[arg-type]
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(p)
+        state["exp_avg_sq"] = torch.zeros_like(p)
+    state["step"] += 1
+    step = int(state["step"].item())
+    (b1, b2), lr, eps = group["betas"], group["lr"], group["eps"]
+    m, v = local(state["exp_avg"]), local(state["exp_avg_sq"])
+    x.mul_(1 - lr * group["weight_decay"])
+    m.mul_(b1).add_(g * (1 - b1))
+    v.mul_(b2).add_(g * g * (1 - b2))
+    denom = (v.sqrt() / math.sqrt(1 - b2**step)).add_(eps)
+    x.add_((m / denom) * (-lr / (1 - b1**step)))
