@@ -108,7 +108,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 if g["use_muon"]
                 for pi in range(len(g["params"]))
             ]
-            raw = [matrix_layout(p, n) for (p, _), n in zip(params, names)]
+            who = type(self).__name__
+            raw = [matrix_layout(p, n, who) for (p, _), n in zip(params, names)]
             self._layouts, self._layouts_for = assign_owners(raw), ids
         return self._layouts
 

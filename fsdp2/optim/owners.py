@@ -67,9 +67,10 @@ class MatrixLayout:
         return numel
 
 
-def matrix_layout(param: torch.Tensor, name: str) -> MatrixLayout:
+def matrix_layout(param: torch.Tensor, name: str, who: str = "Muon") -> MatrixLayout:
     """The layout of ``param`` (owner still 0), or a ValueError naming ``name`` for a sharding
-    the owner exchange does not support (two sharded mesh axes, partial values)."""
+    the owner exchange does not support (two sharded mesh axes, partial values); ``who`` is the
+    optimizer's class name, for the message."""
     shape = tuple(param.shape)
     if not isinstance(param, DTensor):
         return MatrixLayout(shape, None)
@@ -79,7 +80,7 @@ def matrix_layout(param: torch.Tensor, name: str) -> MatrixLayout:
         return MatrixLayout(shape, None)
     if len(sharded) > 1 or type(sharded[0][1]) is not Shard:
         raise ValueError(
-            f"Muon: parameter {name} (shape {list(shape)}) is a DTensor with placements "
+            f"{who}: parameter {name} (shape {list(shape)}) is a DTensor with placements "
             f"{tuple(placements)}; the whole-matrix exchange supports one Shard mesh axis (FSDP, "
             "or HSDP's (Replicate(), Shard(d))), not a tensor sharded twice (FSDP x TP) or "
             "partial. Put it in the AdamW part (Muon(..., adamw_params=[...]) or a param group "

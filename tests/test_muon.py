@@ -1,0 +1,290 @@
+"""fsdp2.optim.Muon on sharded parameters: the same steps as one process, the minimum traffic.
+
+Each rank trains a sharded `Net` (uneven row counts, an empty shard at 4 ranks, a weight sharded
+on dim 1, a 3-D expert stack, an embedding and 1-D params for AdamW) and steps a single-process
+`Muon` on an unsharded copy with the *same* gradients (the sharded ones, gathered). Both sides
+then run the same elementwise ops on the same values and the same Newton–Schulz matmuls on the
+same full matrices (the owner reassembles them exactly), so parameters must match bitwise.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import tempfile
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+from expecttest import assert_expected_inline
+from torch.distributed.tensor import DTensor, Shard
+
+from tests.harness import fsdp_api, run_on_ranks
+from tests.tolerance import FP32_ATOL, FP32_RTOL
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
+
+NUM_STEPS = 3
+GLOBAL_BATCH = 8
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 12)
+        self.fc1 = nn.Linear(12, 10)  # 10 rows: 3+3+3+1 at 4 ranks
+        self.fc2 = nn.Linear(10, 7, bias=False)  # sharded on dim 1 (shard_placement_fn)
+        self.fc3 = nn.Linear(7, 3)  # 3 rows: rank 3 of 4 holds none
+        self.experts = nn.Parameter(torch.randn(5, 3, 6) * 0.3)  # 3-D stack, Shard(0)
+        self.norm = nn.LayerNorm(6)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc1(self.embed(idx)))
+        h = self.fc3(torch.tanh(self.fc2(h)))
+        out = self.norm(torch.einsum("bi,eij->bj", h, self.experts))
+        return out.square().mean()
+
+
+def _batch(rank: int, world: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows and the global batch of step ``step``."""
+    g = torch.Generator().manual_seed(100 + step)
+    full = torch.randint(11, (GLOBAL_BATCH,), generator=g)
+    n = GLOBAL_BATCH // world
+    return full[rank * n : (rank + 1) * n], full
+
+
+def _shard(model: Net, mesh: Any) -> None:
+    api = fsdp_api("fsdp2")
+
+    def placement(p: nn.Parameter) -> Shard | None:
+        return Shard(1) if p is model.fc2.weight else None
+
+    api.fully_shard(model.fc2, mesh=mesh, shard_placement_fn=placement)
+    api.fully_shard(model, mesh=mesh)
+
+
+def _optim(model: nn.Module, cls: Any = None, **kw: Any) -> Any:
+    from fsdp2.optim import Muon
+
+    cls = cls or Muon
+    return cls(
+        model.named_parameters(),
+        lr=0.05,
+        weight_decay=0.1,
+        adamw_params=[model.embed.weight],  # type: ignore[union-attr]
+        adamw_lr=1e-2,
+        adamw_weight_decay=0.1,
+        **kw,
+    )
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _train(mesh_shape: tuple[int, ...], cls: Any = None, **kw: Any) -> dict[str, Any]:
+    """Train sharded and reference side by side; compare bitwise every step; count traffic."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp2.collectives import record_collectives
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    mesh = init_device_mesh("cpu", mesh_shape)
+    _shard(model, mesh)
+    opt, ref_opt = _optim(model, cls, **kw), _optim(ref, cls, **kw)
+    steps: list[list[tuple[int, int, int]]] = []
+    for step in range(NUM_STEPS):
+        idx, full_idx = _batch(rank, world, step)
+        loss = model(idx)
+        loss.backward()
+        ref_loss = ref(full_idx)
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        torch.testing.assert_close(mean_loss / world, ref_loss, rtol=FP32_RTOL, atol=FP32_ATOL)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            q.grad = _full(p.grad)  # the same gradients: the optimizer alone is compared
+        with record_collectives() as records:
+            opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        steps.append([(r.input_nbytes, r.output_nbytes, r.world_size) for r in records])
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            # Bitwise: same elementwise ops on the same values, same NS on the same matrices.
+            assert torch.equal(_full(p), q), f"step {step}: {name} differs from the reference"
+    layouts = opt.layouts()
+    return {"steps": steps, "owners": [lay.owner for lay in layouts]}
+
+
+# Exchanged matrices (fc1 10x12, fc2 7x10, fc3 3x7; the expert stack stays local), fp32 bytes.
+EXCHANGED = {"fc1": 120, "fc2": 70, "fc3": 21}
+
+
+def _local_numel(rows: int, rest: int, world: int, rank: int) -> int:
+    chunk = -(-rows // world)
+    return max(0, min(chunk, rows - rank * chunk)) * rest
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_parity_bitwise_and_minimal_bytes(world_size: int, fsdp2_only: None) -> None:
+    results = run_on_ranks(world_size, _train, (world_size,), timeout=90)
+    # Largest first to the least-loaded rank: fc1 (120) -> 0, fc2 (70) -> 1, fc3 (21) -> 1/2.
+    owners = {1: [0, 0, 0], 2: [0, 1, 1], 4: [0, 1, 2]}[world_size]
+    sent_to_owner = 0
+    for rank, result in enumerate(results):
+        assert result["owners"] == [0, *owners]  # the expert stack (first): no owner needed
+        local = [
+            _local_numel(10, 12, world_size, rank),
+            _local_numel(10, 7, world_size, rank),  # fc2 is cut along its 10 columns
+            _local_numel(3, 7, world_size, rank),
+        ]
+        owned = [n for n, o in zip(EXCHANGED.values(), owners) if o == rank]
+        for records in result["steps"]:
+            # One all-to-all there, one back, each moving exactly this rank's shards once.
+            there = (4 * sum(local), 4 * sum(owned), world_size)
+            assert records == [there, (there[1], there[0], world_size)]
+            sent_to_owner += records[0][0]
+    assert sent_to_owner == 4 * sum(EXCHANGED.values()) * NUM_STEPS
+
+
+def test_hsdp_replicas_repeat_the_work(fsdp2_only: None) -> None:
+    results = run_on_ranks(4, _train, (2, 2), timeout=90)
+    for result in results:
+        assert result["owners"] == [0, 0, 1, 1]
+        for records in result["steps"]:  # inside the shard group of 2 only
+            assert [r[2] for r in records] == [2, 2]
+
+
+def _nesterov_off() -> dict[str, Any]:
+    return _train((2,), nesterov=False, adjust_lr="match_rms_adamw", momentum=0.9)
+
+
+def test_parity_other_settings(fsdp2_only: None) -> None:
+    run_on_ranks(2, _nesterov_off, timeout=90)
+
+
+def _spectral_sgd() -> dict[str, Any]:
+    from spectral_sgd import SpectralSGD
+
+    def make(params: Any, **kw: Any) -> Any:  # Muon's weight decay etc. do not apply
+        return SpectralSGD(params, lr=0.05, adamw_params=kw["adamw_params"], adamw_lr=1e-2)
+
+    return _train((2,), make)
+
+
+def test_second_matrix_optimizer_on_the_same_machinery(fsdp2_only: None) -> None:
+    run_on_ranks(2, _spectral_sgd, timeout=90)
+
+
+def test_newton_schulz_against_plain_float64() -> None:
+    from fsdp2.optim import newton_schulz
+
+    g = torch.Generator().manual_seed(0)
+    for shape in [(16, 24), (24, 16), (3, 8, 5)]:
+        x = torch.randn(*shape, generator=g)
+        got = newton_schulz(x, 5)
+        # Independent: the quintic iteration written out in float64 on the un-transposed side.
+        y = x.double()
+        t = y.shape[-2] > y.shape[-1]
+        y = y.mT if t else y
+        y = y / (torch.linalg.matrix_norm(y, keepdim=True) + 1e-7)
+        for _ in range(5):
+            s = y @ y.mT
+            y = 3.4445 * y - 4.7750 * s @ y + 2.0315 * s @ s @ y
+        y = y.mT if t else y
+        # fp32 rounding (6e-8) grows at most ~3.4x per step (the polynomial's slope) over 5
+        # steps and sums of <= 24 terms: ~6e-8 * 3.4**5 * 24 ~ 7e-4 worst case on O(1) entries.
+        torch.testing.assert_close(got.double(), y, rtol=0, atol=1e-3)
+        # And it is U V^T with singular values pulled near 1 (the quintic's band: ~[0.6, 1.2]).
+        u, s_x, vh = torch.linalg.svd(x.double(), full_matrices=False)
+        core = u.mT @ got.double() @ vh.mT
+        sv = torch.diagonal(core, dim1=-2, dim2=-1)
+        assert sv.min() > 0.5 and sv.max() < 1.25, sv
+        off = core - torch.diag_embed(sv)
+        assert off.abs().max() < 1e-4
+
+
+def _tp_error() -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from fsdp2.optim import Muon
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    w = nn.Parameter(distribute_tensor(torch.randn(8, 8), mesh, [Shard(0), Shard(1)]))
+    try:
+        Muon([("layers.0.attn.wq.weight", w)])
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_fsdp_x_tp_refused_by_name_on_every_rank(fsdp2_only: None) -> None:
+    messages = run_on_ranks(4, _tp_error)
+    assert len(set(messages)) == 1
+    assert_expected_inline(
+        messages[0],
+        """Muon: parameter layers.0.attn.wq.weight (shape [8, 8]) is a DTensor with placements (Shard(dim=0), Shard(dim=1)); the whole-matrix exchange supports one Shard mesh axis (FSDP, or HSDP's (Replicate(), Shard(d))), not a tensor sharded twice (FSDP x TP) or partial. Put it in the AdamW part (Muon(..., adamw_params=[...]) or a param group with use_muon=False).""",
+    )
+
+
+def _checkpoint(path: str, phase: str) -> dict[str, Any]:
+    """phase "save": 2 steps, save, 2 more (the uninterrupted run); "load": fresh, load, 2."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = Net()
+    _shard(model, init_device_mesh("cpu", (world,)))
+    opt = _optim(model)
+
+    def train(steps: range) -> None:
+        for step in steps:
+            model(_batch(rank, world, step)[0]).backward()
+            opt.step()
+            opt.zero_grad()
+
+    if phase == "save":
+        train(range(2))
+        state = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}
+        dcp.save(state, checkpoint_id=path)
+        moments = {k: _full(v["momentum_buffer"]) for k, v in state["optim"]["state"].items() if "momentum_buffer" in v}
+    else:
+        state = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}
+        dcp.load(state, checkpoint_id=path)
+        model.load_state_dict(state["model"])
+        set_optimizer_state_dict(model, opt, state["optim"])
+        moments = {
+            k: _full(v["momentum_buffer"])
+            for k, v in get_optimizer_state_dict(model, opt)["state"].items()
+            if "momentum_buffer" in v
+        }
+    train(range(2, 4))
+    return {"params": [_full(p) for p in model.parameters()], "moments": moments}
+
+
+def test_dcp_resume_is_bitwise_and_reshards(fsdp2_only: None) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ckpt")
+        uninterrupted = run_on_ranks(2, _checkpoint, path, "save", timeout=90)[0]
+        resumed = run_on_ranks(2, _checkpoint, path, "load", timeout=90)[0]
+        # Same ranks, same batches, same state: the same operations on the same values.
+        for a, b in zip(uninterrupted["params"], resumed["params"]):
+            assert torch.equal(a, b)
+        resharded = run_on_ranks(4, _checkpoint, path, "load", timeout=90)[0]
+        assert set(resharded["moments"]) == {"fc1.weight", "fc2.weight", "fc3.weight", "experts"}
+    for name, m in uninterrupted["moments"].items():  # loaded at 2 and at 4 ranks, exactly
+        assert torch.equal(m, resumed["moments"][name]), name
+        assert torch.equal(m, resharded["moments"][name]), name
