@@ -39,5 +39,7 @@ class SpectralSGD(MatrixOptimizer):
         norm = torch.linalg.matrix_norm(full, ord=2, keepdim=True)  # per matrix of a stack
         return full / (norm + 1e-12)
 
-    def apply_update(self, param: torch.Tensor, update: torch.Tensor, group: dict[str, Any]) -> None:
+    def apply_update(
+        self, param: torch.Tensor, update: torch.Tensor, group: dict[str, Any]
+    ) -> None:
         local(param).add_(update * -group["lr"])

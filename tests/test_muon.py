@@ -107,7 +107,7 @@ def _train(mesh_shape: tuple[int, ...], cls: Any = None, **kw: Any) -> dict[str,
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
         torch.testing.assert_close(mean_loss / world, ref_loss, rtol=FP32_RTOL, atol=FP32_ATOL)
-        for p, q in zip(model.parameters(), ref.parameters()):
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
             q.grad = _full(p.grad)  # the same gradients: the optimizer alone is compared
         with record_collectives() as records:
             opt.step()
@@ -115,7 +115,7 @@ def _train(mesh_shape: tuple[int, ...], cls: Any = None, **kw: Any) -> dict[str,
         opt.zero_grad()
         ref_opt.zero_grad()
         steps.append([(r.input_nbytes, r.output_nbytes, r.world_size) for r in records])
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
             # Bitwise: same elementwise ops on the same values, same NS on the same matrices.
             assert torch.equal(_full(p), q), f"step {step}: {name} differs from the reference"
     layouts = opt.layouts()
@@ -144,7 +144,7 @@ def test_parity_bitwise_and_minimal_bytes(world_size: int, fsdp2_only: None) -> 
             _local_numel(10, 7, world_size, rank),  # fc2 is cut along its 10 columns
             _local_numel(3, 7, world_size, rank),
         ]
-        owned = [n for n, o in zip(EXCHANGED.values(), owners) if o == rank]
+        owned = [n for n, o in zip(EXCHANGED.values(), owners, strict=True) if o == rank]
         for records in result["steps"]:
             # One all-to-all there, one back, each moving exactly this rank's shards once.
             there = (4 * sum(local), 4 * sum(owned), world_size)
@@ -202,7 +202,7 @@ def test_newton_schulz_against_plain_float64() -> None:
         # steps and sums of <= 24 terms: ~6e-8 * 3.4**5 * 24 ~ 7e-4 worst case on O(1) entries.
         torch.testing.assert_close(got.double(), y, rtol=0, atol=1e-3)
         # And it is U V^T with singular values pulled near 1 (the quintic's band: ~[0.6, 1.2]).
-        u, s_x, vh = torch.linalg.svd(x.double(), full_matrices=False)
+        u, _, vh = torch.linalg.svd(x.double(), full_matrices=False)
         core = u.mT @ got.double() @ vh.mT
         sv = torch.diagonal(core, dim1=-2, dim2=-1)
         assert sv.min() > 0.5 and sv.max() < 1.25, sv
@@ -260,7 +260,11 @@ def _checkpoint(path: str, phase: str) -> dict[str, Any]:
         train(range(2))
         state = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}
         dcp.save(state, checkpoint_id=path)
-        moments = {k: _full(v["momentum_buffer"]) for k, v in state["optim"]["state"].items() if "momentum_buffer" in v}
+        moments = {
+            k: _full(v["momentum_buffer"])
+            for k, v in state["optim"]["state"].items()
+            if "momentum_buffer" in v
+        }
     else:
         state = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}
         dcp.load(state, checkpoint_id=path)
@@ -281,7 +285,7 @@ def test_dcp_resume_is_bitwise_and_reshards(fsdp2_only: None) -> None:
         uninterrupted = run_on_ranks(2, _checkpoint, path, "save", timeout=90)[0]
         resumed = run_on_ranks(2, _checkpoint, path, "load", timeout=90)[0]
         # Same ranks, same batches, same state: the same operations on the same values.
-        for a, b in zip(uninterrupted["params"], resumed["params"]):
+        for a, b in zip(uninterrupted["params"], resumed["params"], strict=True):
             assert torch.equal(a, b)
         resharded = run_on_ranks(4, _checkpoint, path, "load", timeout=90)[0]
         assert set(resharded["moments"]) == {"fc1.weight", "fc2.weight", "fc3.weight", "experts"}

@@ -24,7 +24,7 @@ sharded step is bitwise the single-process step.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -38,7 +38,11 @@ ParamsT = Iterable[torch.Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    """This rank's part of ``t`` (``t`` itself when it is a plain tensor)."""
+    if isinstance(t, DTensor):
+        part: torch.Tensor = t.to_local()
+        return part
+    return t
 
 
 class MatrixOptimizer(torch.optim.Optimizer):
@@ -60,7 +64,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         adamw = {"lr": adamw_lr, "betas": adamw_betas, "eps": adamw_eps}
         adamw["weight_decay"] = adamw_weight_decay
         groups = _split_groups(params, {id(p) for p in adamw_params}, adamw)
-        super().__init__(groups, {**defaults, **{"betas": adamw_betas, "eps": adamw_eps}})
+        super().__init__(groups, {**defaults, "betas": adamw_betas, "eps": adamw_eps})
         self._layouts: list[MatrixLayout] | None = None
         self._layouts_for: list[int] = []
         self._check_groups()
@@ -77,7 +81,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
     ) -> torch.Tensor:
         raise NotImplementedError
 
-    def apply_update(self, param: torch.Tensor, update: torch.Tensor, group: dict[str, Any]) -> None:
+    def apply_update(
+        self, param: torch.Tensor, update: torch.Tensor, group: dict[str, Any]
+    ) -> None:
         raise NotImplementedError
 
     # -- machinery ---------------------------------------------------------------------------
@@ -109,7 +115,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 for pi in range(len(g["params"]))
             ]
             who = type(self).__name__
-            raw = [matrix_layout(p, n, who) for (p, _), n in zip(params, names)]
+            raw = [matrix_layout(p, n, who) for (p, _), n in zip(params, names, strict=True)]
             self._layouts, self._layouts_for = assign_owners(raw), ids
         return self._layouts
 
@@ -130,15 +136,19 @@ class MatrixOptimizer(torch.optim.Optimizer):
         for bucket in buckets.values():  # first-appearance order: the same on every rank
             ids = [i for i, _ in bucket]
             shards = exchange(
-                [layouts[i] for i in ids],
-                [x for _, x in bucket],
-                lambda j, full: self.whole_matrix_update(ids[j], full, groups[ids[j]]),
+                [layouts[i] for i in ids], [x for _, x in bucket], self._by_position(ids, groups)
             )
-            out.update(zip(ids, shards))
+            out.update(zip(ids, shards, strict=True))
         return out
 
+    def _by_position(
+        self, ids: list[int], groups: list[dict[str, Any]]
+    ) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        """``exchange`` numbers a bucket's matrices 0.. ; the protocol uses optimizer indices."""
+        return lambda j, full: self.whole_matrix_update(ids[j], full, groups[ids[j]])
+
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -172,23 +182,23 @@ def _split_groups(
 ) -> list[dict[str, Any]]:
     """Each user group without ``use_muon`` becomes a matrix part (2-D/3-D params not listed in
     ``adamw_params``, the group's own settings) and an AdamW part (the ``adamw_*`` settings)."""
-    given = list(params)
-    groups = given if given and isinstance(given[0], dict) else [{"params": given}]
+    given: list[Any] = list(params)
+    groups: list[dict[str, Any]] = (
+        given if given and isinstance(given[0], dict) else [{"params": given}]
+    )
+
+    def is_matrix(item: Any) -> bool:  # a tensor, or a (name, tensor) pair
+        t = item[1] if isinstance(item, tuple) else item
+        return t.ndim in (2, 3) and id(t) not in adamw_ids
+
     out: list[dict[str, Any]] = []
     for group in groups:
         items = list(group["params"])
         if "use_muon" in group:
             out.append({**({} if group["use_muon"] else adamw), **group, "params": items})
             continue
-
-        def tensor(item: Any) -> torch.Tensor:
-            return item[1] if isinstance(item, tuple) else item
-
-        def is_matrix(t: torch.Tensor) -> bool:
-            return t.ndim in (2, 3) and id(t) not in adamw_ids
-
-        matrices = [x for x in items if is_matrix(tensor(x))]
-        others = [x for x in items if not is_matrix(tensor(x))]
+        matrices = [x for x in items if is_matrix(x)]
+        others = [x for x in items if not is_matrix(x)]
         if matrices:
             out.append({**group, "params": matrices, "use_muon": True})
         if others:
@@ -198,7 +208,8 @@ def _split_groups(
 
 def _adamw(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
     """One AdamW step on this rank's shard, in separately rounded ops (see the Note)."""
-    g, x = local(p.grad), local(p)  # type: ignore[arg-type]
+    assert p.grad is not None
+    g, x = local(p.grad), local(p)
     if not state:
         state["step"] = torch.zeros((), dtype=torch.float32)
         state["exp_avg"] = torch.zeros_like(p)

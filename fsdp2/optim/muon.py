@@ -33,7 +33,8 @@ def newton_schulz(g: torch.Tensor, steps: int, dtype: torch.dtype = torch.float3
         gram = x @ x.mT
         poly = b * gram + c * (gram @ gram)
         x = a * x + poly @ x
-    return x.mT if tall else x
+    out: torch.Tensor = x.mT if tall else x
+    return out
 
 
 def lr_scale(shape: tuple[int, ...], adjust_lr: AdjustLR) -> float:
@@ -89,15 +90,15 @@ class Muon(MatrixOptimizer):
             raise ValueError(f"Muon: momentum must be in [0, 1), got {momentum}")
         if ns_steps < 1:
             raise ValueError(f"Muon: ns_steps must be at least 1, got {ns_steps}")
-        defaults = dict(
-            lr=lr,
-            momentum=momentum,
-            nesterov=nesterov,
-            ns_steps=ns_steps,
-            weight_decay=weight_decay,
-            adjust_lr=adjust_lr,
-            ns_dtype=ns_dtype,
-        )
+        defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "ns_steps": ns_steps,
+            "weight_decay": weight_decay,
+            "adjust_lr": adjust_lr,
+            "ns_dtype": ns_dtype,
+        }
         super().__init__(
             params,
             defaults,
@@ -113,19 +114,20 @@ class Muon(MatrixOptimizer):
     ) -> torch.Tensor:
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(param)
-        buf, beta = local(state["momentum_buffer"]), group["momentum"]
+        buf, beta = local(state["momentum_buffer"]), float(group["momentum"])
         buf.mul_(beta).add_(grad * (1 - beta))
-        if group["nesterov"]:
-            return grad * (1 - beta) + buf * beta
-        return buf
+        return grad * (1 - beta) + buf * beta if group["nesterov"] else buf
 
     def whole_matrix_update(
         self, index: int, full: torch.Tensor, group: dict[str, Any]
     ) -> torch.Tensor:
         update = newton_schulz(full, group["ns_steps"], group["ns_dtype"])
-        return update * lr_scale(tuple(full.shape), group["adjust_lr"])
+        scaled: torch.Tensor = update * lr_scale(tuple(full.shape), group["adjust_lr"])
+        return scaled
 
-    def apply_update(self, param: torch.Tensor, update: torch.Tensor, group: dict[str, Any]) -> None:
+    def apply_update(
+        self, param: torch.Tensor, update: torch.Tensor, group: dict[str, Any]
+    ) -> None:
         x = local(param)
         x.mul_(1 - group["lr"] * group["weight_decay"])
         x.add_(update * -group["lr"])

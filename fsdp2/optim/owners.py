@@ -116,7 +116,7 @@ def assign_owners(layouts: Sequence[MatrixLayout]) -> list[MatrixLayout]:
         load[owners[i]] += _numel(layout.shape)
     return [
         MatrixLayout(lay.shape, lay.group, lay.dim, lay.rank, owner)
-        for lay, owner in zip(layouts, owners)
+        for lay, owner in zip(layouts, owners, strict=True)
     ]
 
 
@@ -147,7 +147,9 @@ def exchange(
     sent = _cat([shards[i].reshape(-1) for ids in by_owner for i in ids], shards[0])
     received = sent.new_empty(sum(out_splits))
     all_to_all(received, sent, out_splits, in_splits, group, "matrix shards to owners").wait()
-    pieces = iter(received.split([layouts[i].local_numel(s) for s in range(world) for i in mine]))
+    pieces = iter(
+        torch.split(received, [layouts[i].local_numel(s) for s in range(world) for i in mine])
+    )
     parts: dict[int, list[torch.Tensor]] = {i: [] for i in mine}
     for src in range(world):
         for i in mine:
@@ -163,7 +165,9 @@ def exchange(
     sent_back = _cat([b.to(shards[0].dtype) for b in back], shards[0])
     returned = sent.new_empty(sum(in_splits))
     all_to_all(returned, sent_back, in_splits, out_splits, group, "matrix updates to shards").wait()
-    flat = iter(returned.split([layouts[i].local_numel(rank) for ids in by_owner for i in ids]))
+    flat = iter(
+        torch.split(returned, [layouts[i].local_numel(rank) for ids in by_owner for i in ids])
+    )
     result: dict[int, torch.Tensor] = {}
     for ids in by_owner:
         for i in ids:
