@@ -59,6 +59,13 @@ parser.add_argument("--resume", action="store_true", help="continue from the lat
 parser.add_argument(
     "--auto-shard", action="store_true", help="let fsdp2.auto_shard pick the groups (fsdp2 only)"
 )
+parser.add_argument(
+    "--optimizer",
+    choices=["adamw", "muon"],
+    default="adamw",
+    help="muon: fsdp2.optim.Muon on the blocks' matrices (AdamW at --lr for the rest)",
+)
+parser.add_argument("--muon-lr", type=float, default=0.02, help="Muon's peak learning rate")
 args = parser.parse_args()
 if args.auto_shard and args.impl != "fsdp2":
     parser.error("--auto-shard is fsdp2's: use it with --impl fsdp2")
@@ -152,14 +159,36 @@ num_local_params = sum(
 
 # No weight decay on gains and biases (1-D), as in GPT-2. DTensor.ndim is the full tensor's.
 params = list(model.parameters())
-optimizer = torch.optim.AdamW(
-    [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": args.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ],
-    lr=args.lr,
-    betas=(0.9, 0.95),
-)
+optimizer: torch.optim.Optimizer
+if args.optimizer == "muon":
+    from fsdp2.optim import Muon
+
+    # The usual recipe: Muon for the blocks' weight matrices, AdamW for the embeddings (the
+    # output head is tied to tok_emb) and the 1-D gains and biases. Each matrix is
+    # orthogonalised whole at one owner rank; momentum stays sharded (see fsdp2/optim/).
+    optimizer = Muon(
+        [
+            {"params": [p for p in params if p.ndim >= 2]},
+            {"params": [p for p in params if p.ndim < 2], "use_muon": False, "weight_decay": 0.0},
+        ],
+        lr=args.muon_lr,
+        weight_decay=args.weight_decay,
+        adamw_params=[model.tok_emb.weight, model.pos_emb.weight],
+        adamw_lr=args.lr,
+        adamw_betas=(0.9, 0.95),
+        adamw_weight_decay=args.weight_decay,
+    )
+    for group in optimizer.param_groups:  # the schedule below scales each group's own peak
+        group["lr_scale"] = group["lr"] / args.lr
+else:
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": args.weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+    )
 
 
 def lr_at(step: int) -> float:
@@ -195,6 +224,7 @@ table.add_row("model", f"GPT, {num_params:,} parameters, {num_local_params:,} on
 table.add_row(
     "batch", f"{args.batch_size} x {args.block_size} characters, {local_batch_size} per rank"
 )
+table.add_row("optimizer", args.optimizer)
 table.add_row("corpus", f"{len(train_data):,} train + {len(val_data):,} val characters")
 console.print(table)
 if args.auto_shard:
@@ -268,7 +298,7 @@ with progress:
     task = progress.add_task("train", total=args.steps, loss="-", completed=start_step)
     for step in range(start_step, args.steps):
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step)
+            group["lr"] = lr_at(step) * group.get("lr_scale", 1.0)  # x1.0: AdamW's, exactly
         x, y = get_batch(train_data, train_gen)
         _, loss = model(x, y)
         assert loss is not None  # GPT returns a loss whenever it gets targets
