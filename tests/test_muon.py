@@ -37,13 +37,15 @@ class Net(nn.Module):
         self.fc1 = nn.Linear(12, 10)  # 10 rows: 3+3+3+1 at 4 ranks
         self.fc2 = nn.Linear(10, 7, bias=False)  # sharded on dim 1 (shard_placement_fn)
         self.fc3 = nn.Linear(7, 3)  # 3 rows: rank 3 of 4 holds none
-        self.experts = nn.Parameter(torch.randn(5, 3, 6) * 0.3)  # 3-D stack, Shard(0)
+        self.experts = nn.Parameter(torch.randn(5, 3, 6) * 0.3)  # 3-D stack, Shard(0): local
+        self.gate = nn.Parameter(torch.randn(2, 6, 6) * 0.3)  # 3-D stack, Shard(1): exchanged
         self.norm = nn.LayerNorm(6)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.fc1(self.embed(idx)))
         h = self.fc3(torch.tanh(self.fc2(h)))
         out = self.norm(torch.einsum("bi,eij->bj", h, self.experts))
+        out = out + torch.einsum("bj,ejk->bk", out, self.gate)
         return out.square().mean()
 
 
@@ -59,10 +61,10 @@ def _shard(model: Net, mesh: Any) -> None:
     api = fsdp_api("fsdp2")
 
     def placement(p: nn.Parameter) -> Shard | None:
-        return Shard(1) if p is model.fc2.weight else None
+        return Shard(1) if p is model.fc2.weight or p is model.gate else None
 
     api.fully_shard(model.fc2, mesh=mesh, shard_placement_fn=placement)
-    api.fully_shard(model, mesh=mesh)
+    api.fully_shard(model, mesh=mesh, shard_placement_fn=placement)
 
 
 def _optim(model: nn.Module, cls: Any = None, **kw: Any) -> Any:
@@ -104,10 +106,14 @@ def _train(mesh_shape: tuple[int, ...], cls: Any = None, **kw: Any) -> dict[str,
         loss = model(idx)
         loss.backward()
         ref_loss = ref(full_idx)
+        ref_loss.backward()
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
+        # Same parameters (checked bitwise below), the batch summed in another order: fp32 close.
         torch.testing.assert_close(mean_loss / world, ref_loss, rtol=FP32_RTOL, atol=FP32_ATOL)
         for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            assert q.grad is not None and p.grad is not None
+            torch.testing.assert_close(_full(p.grad), q.grad, rtol=FP32_RTOL, atol=FP32_ATOL)
             q.grad = _full(p.grad)  # the same gradients: the optimizer alone is compared
         with record_collectives() as records:
             opt.step()
@@ -122,8 +128,9 @@ def _train(mesh_shape: tuple[int, ...], cls: Any = None, **kw: Any) -> dict[str,
     return {"steps": steps, "owners": [lay.owner for lay in layouts]}
 
 
-# Exchanged matrices (fc1 10x12, fc2 7x10, fc3 3x7; the expert stack stays local), fp32 bytes.
-EXCHANGED = {"fc1": 120, "fc2": 70, "fc3": 21}
+# Exchanged matrices in the optimizer's order (gate 2x6x6 cut on its 6 rows, fc1 10x12, fc2
+# 7x10 cut on its 10 columns, fc3 3x7), numel. The expert stack, first, stays local.
+EXCHANGED = {"gate": 72, "fc1": 120, "fc2": 70, "fc3": 21}
 
 
 def _local_numel(rows: int, rest: int, world: int, rank: int) -> int:
@@ -134,12 +141,13 @@ def _local_numel(rows: int, rest: int, world: int, rank: int) -> int:
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_parity_bitwise_and_minimal_bytes(world_size: int, fsdp2_only: None) -> None:
     results = run_on_ranks(world_size, _train, (world_size,), timeout=90)
-    # Largest first to the least-loaded rank: fc1 (120) -> 0, fc2 (70) -> 1, fc3 (21) -> 1/2.
-    owners = {1: [0, 0, 0], 2: [0, 1, 1], 4: [0, 1, 2]}[world_size]
+    # Largest first to the least-loaded rank: fc1 (120), gate (72), fc2 (70), fc3 (21).
+    owners = {1: [0, 0, 0, 0], 2: [1, 0, 1, 0], 4: [1, 0, 2, 3]}[world_size]
     sent_to_owner = 0
     for rank, result in enumerate(results):
         assert result["owners"] == [0, *owners]  # the expert stack (first): no owner needed
         local = [
+            _local_numel(6, 2 * 6, world_size, rank),
             _local_numel(10, 12, world_size, rank),
             _local_numel(10, 7, world_size, rank),  # fc2 is cut along its 10 columns
             _local_numel(3, 7, world_size, rank),
@@ -156,7 +164,7 @@ def test_parity_bitwise_and_minimal_bytes(world_size: int, fsdp2_only: None) -> 
 def test_hsdp_replicas_repeat_the_work(fsdp2_only: None) -> None:
     results = run_on_ranks(4, _train, (2, 2), timeout=90)
     for result in results:
-        assert result["owners"] == [0, 0, 1, 1]
+        assert result["owners"] == [0, 1, 0, 1, 0]
         for records in result["steps"]:  # inside the shard group of 2 only
             assert [r[2] for r in records] == [2, 2]
 
@@ -165,8 +173,13 @@ def _nesterov_off() -> dict[str, Any]:
     return _train((2,), nesterov=False, adjust_lr="match_rms_adamw", momentum=0.9)
 
 
+def _bf16_newton_schulz() -> dict[str, Any]:
+    return _train((4,), adjust_lr=None, ns_dtype=torch.bfloat16)
+
+
 def test_parity_other_settings(fsdp2_only: None) -> None:
     run_on_ranks(2, _nesterov_off, timeout=90)
+    run_on_ranks(4, _bf16_newton_schulz, timeout=90)  # bf16 matmuls, same on both sides
 
 
 def _spectral_sgd() -> dict[str, Any]:
@@ -288,7 +301,8 @@ def test_dcp_resume_is_bitwise_and_reshards(fsdp2_only: None) -> None:
         for a, b in zip(uninterrupted["params"], resumed["params"], strict=True):
             assert torch.equal(a, b)
         resharded = run_on_ranks(4, _checkpoint, path, "load", timeout=90)[0]
-        assert set(resharded["moments"]) == {"fc1.weight", "fc2.weight", "fc3.weight", "experts"}
+        expected = {"fc1.weight", "fc2.weight", "fc3.weight", "experts", "gate"}
+        assert set(resharded["moments"]) == expected
     for name, m in uninterrupted["moments"].items():  # loaded at 2 and at 4 ranks, exactly
         assert torch.equal(m, resumed["moments"][name]), name
         assert torch.equal(m, resharded["moments"][name]), name
