@@ -1,8 +1,9 @@
 """The only place fsdp2 talks to ``torch.distributed``: all-gather, reduce-scatter, all-reduce and
 all-to-all (the last for matrix optimizers, :mod:`fsdp2.optim`).
 
-Every collective goes through :func:`all_gather` or :func:`reduce_scatter`, which is also the
-seam where :func:`record_collectives` observes them (tests count them, benchmarks sum bytes).
+Every collective goes through :func:`all_gather`, :func:`reduce_scatter`, :func:`all_reduce` or
+:func:`all_to_all`, the seam where :func:`record_collectives` observes them (tests count them,
+benchmarks sum bytes).
 """
 
 from __future__ import annotations

@@ -223,6 +223,33 @@ def test_newton_schulz_against_plain_float64() -> None:
         assert off.abs().max() < 1e-4
 
 
+def test_bad_arguments_are_named() -> None:
+    from fsdp2.optim import Muon
+
+    net = Net()
+    with pytest.raises(ValueError) as e:
+        Muon(net.parameters(), adjust_lr="rms")  # type: ignore[arg-type]
+    assert_expected_inline(
+        str(e.value),
+        """Muon: adjust_lr must be one of ('spectral', 'match_rms_adamw', None), got 'rms'""",
+    )
+    with pytest.raises(ValueError) as e:
+        Muon([{"params": [net.fc1.weight, net.fc1.bias], "use_muon": True}])
+    assert_expected_inline(
+        str(e.value),
+        """Muon: parameter param_groups[0]['params'][1] is 1-D (shape [10]) in a group with use_muon=True; only 2-D and 3-D (stacked) matrices get whole-matrix updates. Put it in a group with use_muon=False.""",
+    )
+    opt = Muon([net.fc1.weight])
+    with pytest.raises(ValueError) as e:
+        opt.add_param_group({"params": [net.fc2.weight]})
+    assert_expected_inline(
+        str(e.value),
+        """Muon.add_param_group: the group needs 'use_muon': True for matrices (whole-matrix updates) or False for AdamW; got a group without it.""",
+    )
+    opt.add_param_group({"params": [net.fc2.weight, net.gate], "use_muon": True})
+    assert len(opt.layouts()) == 3
+
+
 def _tp_error() -> str:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor

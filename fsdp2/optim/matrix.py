@@ -88,6 +88,20 @@ class MatrixOptimizer(torch.optim.Optimizer):
 
     # -- machinery ---------------------------------------------------------------------------
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if "use_muon" not in param_group:
+            raise ValueError(
+                f"{type(self).__name__}.add_param_group: the group needs 'use_muon': True for "
+                "matrices (whole-matrix updates) or False for AdamW; got a group without it."
+            )
+        super().add_param_group(param_group)
+        if hasattr(self, "_layouts"):  # not while __init__ adds the first groups
+            try:
+                self._check_groups()
+            except ValueError:
+                self.param_groups.pop()  # leave the optimizer as it was
+                raise
+
     def matrix_params(self) -> list[tuple[torch.Tensor, dict[str, Any]]]:
         return [(p, g) for g in self.param_groups if g["use_muon"] for p in g["params"]]
 
@@ -96,9 +110,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
             for pi, p in enumerate(group["params"]):
                 if group["use_muon"] and p.ndim not in (2, 3):
                     raise ValueError(
-                        f"{type(self).__name__}: parameter {_name(group, gi, pi)} has "
-                        f"{p.ndim} dims in a group with use_muon=True; only 2-D matrices and "
-                        "3-D stacks of them get whole-matrix updates. Put it in a group with "
+                        f"{type(self).__name__}: parameter {_name(group, gi, pi)} is {p.ndim}-D "
+                        f"(shape {list(p.shape)}) in a group with use_muon=True; only 2-D and "
+                        "3-D (stacked) matrices get whole-matrix updates. Put it in a group with "
                         "use_muon=False."
                     )
         self.layouts()  # refuses unsupported shardings now, on every rank
