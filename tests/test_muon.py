@@ -57,8 +57,8 @@ def _batch(rank: int, world: int, step: int) -> tuple[torch.Tensor, torch.Tensor
     return full[rank * n : (rank + 1) * n], full
 
 
-def _shard(model: Net, mesh: Any) -> None:
-    api = fsdp_api("fsdp2")
+def _shard(model: Net, mesh: Any, impl: str = "fsdp2") -> None:
+    api = fsdp_api(impl)
 
     def placement(p: nn.Parameter) -> Shard | None:
         return Shard(1) if p is model.fc2.weight or p is model.gate else None
@@ -86,7 +86,9 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _train(mesh_shape: tuple[int, ...], cls: Any = None, **kw: Any) -> dict[str, Any]:
+def _train(
+    mesh_shape: tuple[int, ...], cls: Any = None, impl: str = "fsdp2", **kw: Any
+) -> dict[str, Any]:
     """Train sharded and reference side by side; compare bitwise every step; count traffic."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -98,7 +100,7 @@ def _train(mesh_shape: tuple[int, ...], cls: Any = None, **kw: Any) -> dict[str,
     ref = Net()
     model = copy.deepcopy(ref)
     mesh = init_device_mesh("cpu", mesh_shape)
-    _shard(model, mesh)
+    _shard(model, mesh, impl)
     opt, ref_opt = _optim(model, cls, **kw), _optim(ref, cls, **kw)
     steps: list[list[tuple[int, int, int]]] = []
     for step in range(NUM_STEPS):
@@ -159,6 +161,13 @@ def test_parity_bitwise_and_minimal_bytes(world_size: int, fsdp2_only: None) -> 
             assert records == [there, (there[1], there[0], world_size)]
             sent_to_owner += records[0][0]
     assert sent_to_owner == 4 * sum(EXCHANGED.values()) * NUM_STEPS
+
+
+def test_parity_on_torchs_fully_shard() -> None:
+    # The optimizer needs only DTensor placements: torch's FSDP2 parameters work the same way
+    # (W=2: torch requires Shard(1) to split evenly).
+    for result in run_on_ranks(2, _train, (2,), None, "torch", timeout=90):
+        assert result["owners"] == [0, 1, 0, 1, 0]
 
 
 def test_hsdp_replicas_repeat_the_work(fsdp2_only: None) -> None:
