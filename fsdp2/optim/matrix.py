@@ -61,9 +61,10 @@ class MatrixOptimizer(torch.optim.Optimizer):
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.0,
     ) -> None:
-        adamw = {"lr": adamw_lr, "betas": adamw_betas, "eps": adamw_eps}
-        adamw["weight_decay"] = adamw_weight_decay
-        groups = _split_groups(params, {id(p) for p in adamw_params}, adamw)
+        # The AdamW groups' settings, filled in where a group does not give its own.
+        self._adamw = {"lr": adamw_lr, "betas": adamw_betas, "eps": adamw_eps}
+        self._adamw["weight_decay"] = adamw_weight_decay
+        groups = _split_groups(params, {id(p) for p in adamw_params})
         super().__init__(groups, {**defaults, "betas": adamw_betas, "eps": adamw_eps})
         self._layouts: list[MatrixLayout] | None = None
         self._layouts_for: list[int] = []
@@ -94,6 +95,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 f"{type(self).__name__}.add_param_group: the group needs 'use_muon': True for "
                 "matrices (whole-matrix updates) or False for AdamW; got a group without it."
             )
+        if not param_group["use_muon"]:
+            param_group = {**self._adamw, **param_group}
         super().add_param_group(param_group)
         if hasattr(self, "_layouts"):  # not while __init__ adds the first groups
             try:
@@ -191,9 +194,7 @@ def _name(group: dict[str, Any], gi: int, pi: int) -> str:
     return names[pi] if names else f"param_groups[{gi}]['params'][{pi}]"
 
 
-def _split_groups(
-    params: ParamsT, adamw_ids: set[int], adamw: dict[str, Any]
-) -> list[dict[str, Any]]:
+def _split_groups(params: ParamsT, adamw_ids: set[int]) -> list[dict[str, Any]]:
     """Each user group without ``use_muon`` becomes a matrix part (2-D/3-D params not listed in
     ``adamw_params``, the group's own settings) and an AdamW part (the ``adamw_*`` settings)."""
     given: list[Any] = list(params)
@@ -209,14 +210,14 @@ def _split_groups(
     for group in groups:
         items = list(group["params"])
         if "use_muon" in group:
-            out.append({**({} if group["use_muon"] else adamw), **group, "params": items})
+            out.append({**group, "params": items})
             continue
         matrices = [x for x in items if is_matrix(x)]
         others = [x for x in items if not is_matrix(x)]
         if matrices:
             out.append({**group, "params": matrices, "use_muon": True})
         if others:
-            out.append({**adamw, "params": others, "use_muon": False})
+            out.append({"params": others, "use_muon": False})
     return out
 
 
