@@ -281,7 +281,7 @@ def test_bad_arguments_are_named() -> None:
     )
     opt.add_param_group({"params": [net.fc2.weight, net.gate], "use_muon": True})
     assert len(opt.layouts()) == 3
-    opt.add_param_group({"params": [net.fc2.weight], "use_muon": False})
+    opt.add_param_group({"params": [net.norm.weight], "use_muon": False})
     assert opt.param_groups[-1]["lr"] == 3e-4  # AdamW's default, not Muon's 0.02
 
 
