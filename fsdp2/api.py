@@ -12,6 +12,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from fsdp2.agreement import check_fully_shard
 from fsdp2.mesh import MeshInfo, default_mesh, device_of, mesh_info
 from fsdp2.module import STATE_ATTR, FSDPModule, ReplicateModule, UnshardHandle, state_of
 from fsdp2.param import FSDPParam
@@ -149,10 +150,13 @@ def _apply(
     device = device_of(info.mesh)
     label = ", ".join(type(m).__name__ for m in modules)
     slots = _managed_params(modules, ignored_params or set())
+    # Before anything that could raise from this rank's own tensors: see agreement.py.
+    arguments = f"reshard_after_forward={reshard_after_forward!r}, {mp_policy}, {offload_policy}"
+    fqns = {param: fqn for param, (fqn, _) in slots.items()}
+    meta_on_some_rank = check_fully_shard(label, fqns, info, device, arguments)
     # mesh (None: fully_shard's own) -> its parameters and their full tensors
     by_mesh: dict[DeviceMesh | None, tuple[list[FSDPParam], list[torch.Tensor]]] = {None: ([], [])}
     for param, (fqn, places) in slots.items():
-        _check_device(param, fqn, device, modules)
         fsdp_param = FSDPParam(param, places, fqn, label)
         mesh = None
         if shard_placement_fn is not None:
@@ -171,6 +175,8 @@ def _apply(
                 FSDPParamGroup(params, fulls, group_info, device, label, mp_policy, offload)
             )
     by_mesh.clear()
+    for each in groups:
+        each.meta_on_some_rank = meta_on_some_rank
     group = groups[0] if groups and groups[0].info is info else None
     params = [p for g in groups for p in g.fsdp_params]
     # Resolved (and validated) before the first change to the modules: a rejected value leaves
@@ -336,17 +342,6 @@ def _managed_params(
             entry = out.setdefault(param, (fqn, []))
             entry[1].append((mod, name))
     return out
-
-
-def _check_device(
-    param: nn.Parameter, fqn: str, device: torch.device, modules: tuple[nn.Module, ...]
-) -> None:
-    if param.device != device and param.device.type not in ("cpu", "meta"):
-        raise ValueError(
-            f"{fqn} of {type(modules[0]).__name__} is on {param.device}, but the mesh's device is "
-            f"{device}. Move the module to {device} (or keep it on CPU: fully_shard moves it) "
-            "before calling fully_shard, or pass a mesh on the parameters' device"
-        )
 
 
 _wrapped_classes: dict[tuple[type, type], type] = {}

@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,8 @@ __all__ = [
     "ReduceScatter",
     "SymmMemAllGather",
     "SymmMemReduceScatter",
+    "agree_ints",
+    "agree_objects",
     "all_gather",
     "all_reduce",
     "all_to_all",
@@ -36,7 +38,8 @@ __all__ = [
     "reduce_scatter",
 ]
 
-CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all"]
+# "agree": the small exchanges that make every rank raise alike (agreement.py), at init only.
+CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "agree"]
 
 
 @dataclass(frozen=True)
@@ -369,3 +372,27 @@ def all_to_all(
         out, inp, list(out_splits), list(in_splits), group=group, async_op=True
     )
     return Pending(work)
+
+
+def agree_ints(
+    values: list[int], group: dist.ProcessGroup, device: torch.device
+) -> list[list[int]]:
+    """Every rank's ``values`` (the same count on each), in group rank order: one small
+    blocking all-gather, for the checks that make every rank raise alike (agreement.py)."""
+    inp = torch.tensor(values, dtype=torch.int64, device=device)
+    out = inp.new_empty(group.size() * inp.numel())
+    if _recorders:
+        _record("agree", "", inp, out, group)
+    _all_gather_single(out, inp, group=group)
+    return cast("list[list[int]]", out.view(group.size(), -1).tolist())
+
+
+def agree_objects(obj: object, group: dist.ProcessGroup) -> list[object]:
+    """Every rank's ``obj`` (picklable), in group rank order; only once ``agree_ints`` found a
+    difference, to word the error."""
+    out: list[object] = [None] * group.size()
+    if _recorders:
+        empty = torch.empty(0)
+        _record("agree", "", empty, empty, group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

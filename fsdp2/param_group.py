@@ -162,6 +162,8 @@ class FSDPParamGroup(GradientReduction):
         self.max_in_flight = 1  # reduce-scatters (and their input buffers) alive at once
         self.requires_all_reduce = True  # only meaningful with a replicate axis (HSDP)
         self.stale = False  # some parameters replaced, not yet re-packed (see rebuild)
+        # Some rank had parameters on meta at fully_shard: lazy init checks (agreement.py).
+        self.meta_on_some_rank = False
         self._replica_partial: torch.Tensor | None = None  # reduced, not yet all-reduced
 
     def _build(self, storage_device: torch.device, fulls: list[torch.Tensor] | None) -> None:

@@ -33,6 +33,7 @@ import torch.nn as nn
 from torch._compile import _disable_dynamo
 from torch.autograd import Variable
 
+from fsdp2.agreement import check_materialized
 from fsdp2.changes import take_up_changes
 from fsdp2.inputs import InputHooks
 from fsdp2.param import FSDPParam
@@ -242,6 +243,12 @@ class FSDPState:
             requested = state.requested_reshard_after_forward
             state.reshard_after_forward = (not state.is_root) if requested is None else requested
         _trace("lazy_init", self.fqn)
+        try:
+            check_materialized(ctx.groups)  # once, only for groups that were on meta somewhere
+        except BaseException:
+            for state in states:  # not initialised: the next forward checks again
+                state.ctx = None
+            raise
 
     def require_ctx(self) -> IterContext:
         """The iteration context, which lazy init gives every state before any hook runs."""

@@ -1,0 +1,278 @@
+"""Facts every rank must agree on, checked once so that a mistake raises on every rank.
+
+[Note: errors on every rank]
+An error raised on some ranks only is a hang on the others: they go on into the next collective
+and wait for a peer that is gone. Most of fsdp2's checks look at facts every rank shares (global
+shapes, module structure, arguments). What each rank builds for itself can differ, though: the
+model (a rank-dependent config, a checkpoint loaded on one rank), its dtype, which parameters
+are frozen, the device a rank put them on (a missing ``set_device``), whether a rank
+materialised its meta parameters. A difference there does not raise at all: the collectives
+mismatch later, hang, or silently mix up bytes (a parameter frozen on one rank moves the others
+in that rank's layout). So:
+
+- ``fully_shard`` exchanges a digest of what it is about to shard (each parameter's name,
+  global and local shape, placements, dtype, ``requires_grad``; the policies) over the ranks of
+  its mesh, with two flags: "a parameter here is on the wrong device" and "a parameter here is on
+  meta". One tiny all-gather per data-parallel process group (two for HSDP), before anything can
+  raise from this rank's own data. Only when something differs, a second exchange brings every
+  rank's facts, to say which rank differs in what.
+- Parameters may legitimately be on meta on some ranks at ``fully_shard`` (accelerate's
+  ``cpu_ram_efficient_loading`` keeps the weights on rank 0 only, and materialises the others
+  with ``to_empty`` before broadcasting). For a group that was on meta on any rank, the root's
+  lazy init (its first forward or ``unshard()``) checks once more, over the same groups, that no
+  rank still is, and that the ranks still agree on dtypes and ``requires_grad``. Models that
+  never saw meta skip that exchange: nothing is added to any step.
+- With several process groups (HSDP's shard and replicate groups), a rank whose own groups agree
+  may still sit in a mesh where another group disagreed: the verdict travels with the digest
+  (``bad rank``), so after the second group every rank of the mesh knows and raises.
+
+Conditions that can change at any step on one rank only (a gradient assigned by hand, a module
+frozen between steps, inputs of another dtype) are not exchanged: that would cost a collective
+per step. ``FSDP2_CHECK_COLLECTIVES=1`` reports them (docs/errors-on-every-rank.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from fsdp2.collectives import agree_ints, agree_objects
+from fsdp2.mesh import MeshInfo
+
+if TYPE_CHECKING:
+    from fsdp2.param_group import FSDPParamGroup
+
+__all__ = ["check_fully_shard", "check_materialized"]
+
+Facts = dict[str, str]  # name → what this rank has, worded for the error message
+Problems = dict[str, str]  # name → what is wrong with it on this rank
+_MAX_LINES = 8  # differences listed in a message; the first ones are what a user fixes first
+
+
+@dataclass
+class _Outcome:
+    flags: int  # bitwise OR of every rank's flags over the groups
+    # From the first of this rank's groups where ranks differ or one has a problem: the
+    # group's global ranks and each one's (facts, problems).
+    details: tuple[list[int], list[tuple[Facts, Problems]]] | None
+    bad_rank: int  # a rank whose group disagreed (maybe not one of ours), or -1
+
+
+def _digest(facts: Facts) -> int:
+    """56 bits of a hash of ``facts``, the same on every rank for the same facts."""
+    text = repr(sorted(facts.items())).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "little")
+
+
+def _agree(
+    groups: Sequence[dist.ProcessGroup],
+    device: torch.device,
+    facts: Facts,
+    problems: Problems,
+    flags: int = 0,
+) -> _Outcome:
+    """Exchange ``facts`` (by digest), ``problems`` (whether any) and ``flags`` over each of
+    ``groups`` in turn; see [Note: errors on every rank]."""
+    digest, bad_rank, details = _digest(facts), -1, None
+    for group in groups:
+        rows = agree_ints([digest, int(bool(problems)), flags, bad_rank + 1], group, device)
+        for _, _, their_flags, their_bad in rows:
+            flags |= their_flags
+            bad_rank = max(bad_rank, their_bad - 1)
+        if any(d != digest or p for d, p, _, _ in rows):  # every rank sees the same rows
+            ranks = dist.get_process_group_ranks(group)
+            everyone = agree_objects((facts, problems), group)
+            if details is None:
+                details = (ranks, everyone)  # type: ignore[assignment]
+            bad_rank = max(bad_rank, min(ranks))
+    return _Outcome(flags, details, bad_rank)
+
+
+def _dp_groups(info: MeshInfo) -> list[dist.ProcessGroup]:
+    """The data-parallel groups whose ranks must agree (of more than one rank)."""
+    groups = (info.shard_group, info.replicate_group)
+    return [g for g in groups if g is not None and g.size() > 1]
+
+
+# -- fully_shard --------------------------------------------------------------------------------
+
+
+def _describe(param: nn.Parameter) -> str:
+    shape = tuple(param.shape)
+    parts = [f"shape {shape}", str(param.dtype).removeprefix("torch.")]
+    if isinstance(param, DTensor):
+        parts.append(f"local {tuple(param._local_tensor.shape)} as {list(param.placements)}")
+    local = param._local_tensor if isinstance(param, DTensor) else param
+    if type(local) not in (torch.Tensor, nn.Parameter):
+        parts.append(type(local).__name__)
+    parts.append("requires_grad" if param.requires_grad else "frozen")
+    return ", ".join(parts)
+
+
+def check_fully_shard(
+    who: str,
+    params: dict[nn.Parameter, str],
+    info: MeshInfo,
+    device: torch.device,
+    arguments: str,
+) -> bool:
+    """Raise on every rank of ``info``'s mesh unless they all shard the same parameters
+    (``params``: each with its FQN) with the same ``arguments``, each on CPU, meta or
+    ``device``. Returns whether any rank has a parameter on meta."""
+    facts: Facts = {"arguments of fully_shard": arguments}
+    facts.update((fqn, _describe(p)) for p, fqn in params.items())
+    problems: Problems = {
+        fqn: str(p.device)
+        for p, fqn in params.items()
+        if p.device != device and p.device.type not in ("cpu", "meta")
+    }
+    meta = int(any(p.device.type == "meta" for p in params))
+    outcome = _agree(_dp_groups(info), device, facts, problems, meta)
+    if outcome.details is not None:
+        ranks, everyone = outcome.details
+        if any(p for _, p in everyone):
+            raise ValueError(_device_message(who, device, ranks, [p for _, p in everyone]))
+        raise ValueError(_mismatch_message(who, ranks, [f for f, _ in everyone]))
+    if outcome.bad_rank >= 0:
+        raise ValueError(_elsewhere_message(who, outcome.bad_rank))
+    if problems:  # no peers to exchange with: this rank alone
+        raise ValueError(_device_message(who, device, None, [problems]))
+    return bool(outcome.flags)
+
+
+def _device_message(
+    who: str, device: torch.device, ranks: list[int] | None, problems: list[Problems]
+) -> str:
+    """``ranks=None``: this rank alone, with no peers to name."""
+    bad = [i for i, here in enumerate(problems) if here]
+    fqn, found = next(iter(problems[bad[0]].items()))
+    where = "" if ranks is None else f" on rank {ranks[bad[0]]}"
+    text = (
+        f"{fqn} of {who} is on {found}{where}, but the mesh's device is {device}. Move the "
+        f"module to {device} (or keep it on CPU: fully_shard moves it) before calling "
+        "fully_shard, or pass a mesh on the parameters' device"
+    )
+    if ranks is not None and len(bad) < len(ranks):
+        text += (
+            f". Only on {_rank_word([ranks[i] for i in bad])}: did every rank call "
+            "torch.accelerator.set_device_index(local_rank) before building its model?"
+        )
+    return text
+
+
+def _mismatch_message(who: str, ranks: list[int], facts: list[Facts]) -> str:
+    names = list(dict.fromkeys(name for f in facts for name in f))
+    lines = []
+    for name in names:
+        by_value: dict[str, list[int]] = {}
+        for rank, f in zip(ranks, facts, strict=True):
+            by_value.setdefault(f.get(name, "absent"), []).append(rank)
+        if len(by_value) > 1:
+            found = "; ".join(f"{v} on {_rank_word(r)}" for v, r in by_value.items())
+            lines.append(f"  {name}: {found}")
+    return (
+        f"fully_shard({who}): the ranks of the mesh differ in what they shard, so its "
+        f"collectives would not match (a hang, or mixed-up values):\n"
+        + "\n".join(_cap(lines))
+        + "\nEvery rank must build the same model (shapes, dtypes, frozen parameters) and call "
+        "fully_shard with the same arguments"
+    )
+
+
+def _elsewhere_message(who: str, bad_rank: int) -> str:
+    return (
+        f"fully_shard({who}): ranks of the mesh differ in what they shard; this rank's own "
+        f"groups agree, and rank {bad_rank}'s error says what differs. Every rank must build the "
+        "same model and call fully_shard with the same arguments"
+    )
+
+
+def _rank_word(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def _cap(lines: list[str]) -> list[str]:
+    if len(lines) <= _MAX_LINES:
+        return lines
+    return [*lines[:_MAX_LINES], f"  ... and {len(lines) - _MAX_LINES} more"]
+
+
+# -- lazy init ----------------------------------------------------------------------------------
+
+
+def _still_meta(group: FSDPParamGroup) -> list[str]:
+    return [
+        p.fqn
+        for p in group.fsdp_params
+        if p.sharded_param._local_tensor.device.type == "meta"  # type: ignore[attr-defined]
+    ]
+
+
+def check_materialized(groups: list[FSDPParamGroup]) -> None:
+    """At lazy init: raise on every rank if a group that was on meta on some rank at
+    ``fully_shard`` still is on one (or the ranks now differ in dtypes or frozen parameters).
+    One exchange per process group, only for such groups; see [Note: errors on every rank]."""
+    pending = [g for g in groups if g.meta_on_some_rank]
+    by_groups: dict[tuple[int, ...], list[FSDPParamGroup]] = {}
+    for group in pending:  # in module order: the same on every rank
+        key = tuple(id(pg) for pg in _dp_groups(group.info))
+        by_groups.setdefault(key, []).append(group)
+    for members in by_groups.values():
+        facts: Facts = {}
+        problems: Problems = {}
+        for group in members:
+            for p in group.fsdp_params:
+                param = p.sharded_param
+                facts[p.fqn] = f"{str(param.dtype).removeprefix('torch.')}, " + (
+                    "requires_grad" if param.requires_grad else "frozen"
+                )
+            meta = _still_meta(group)
+            if meta:
+                problems[group.label or "<root>"] = ", ".join(meta)
+        info = members[0].info
+        outcome = _agree(_dp_groups(info), members[0].device, facts, problems)
+        if outcome.details is not None:
+            ranks, everyone = outcome.details
+            if any(p for _, p in everyone):
+                raise RuntimeError(_meta_message(ranks, [p for _, p in everyone]))
+            raise RuntimeError(_changed_message(ranks, [f for f, _ in everyone]))
+        if outcome.bad_rank >= 0:
+            raise RuntimeError(
+                f"fsdp2: at the first forward, ranks differ in their parameters; rank "
+                f"{outcome.bad_rank}'s error says what differs"
+            )
+        if problems:  # no peers: this rank alone
+            raise RuntimeError(_meta_message([dist.get_rank()], [problems]))
+        for group in members:
+            group.meta_on_some_rank = False
+
+
+def _meta_message(ranks: list[int], problems: list[Problems]) -> str:
+    lines = [
+        f"  {_rank_word([rank])}: fsdp2 module {label!r} ({names})"
+        for rank, here in zip(ranks, problems, strict=True)
+        for label, names in here.items()
+    ]
+    return (
+        "fsdp2: parameters are still on the meta device at the first forward:\n"
+        + "\n".join(_cap(lines))
+        + "\nMaterialise them on every rank before forward: module.to_empty(device=...), then "
+        "module.reset_parameters() (or your own init, or load a checkpoint)"
+    )
+
+
+def _changed_message(ranks: list[int], facts: list[Facts]) -> str:
+    text = _mismatch_message("...", ranks, facts)
+    body = text.split("\n", 1)[1].rsplit("\n", 1)[0]
+    return (
+        "fsdp2: at the first forward, the ranks differ in their parameters' dtypes or "
+        f"requires_grad (changed on some ranks after fully_shard):\n{body}\nChange them alike "
+        "on every rank"
+    )
