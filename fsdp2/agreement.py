@@ -36,7 +36,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -80,7 +80,8 @@ def _agree(
 ) -> _Outcome:
     """Exchange ``facts`` (by digest), ``problems`` (whether any) and ``flags`` over each of
     ``groups`` in turn; see [Note: errors on every rank]."""
-    digest, bad_rank, details = _digest(facts), -1, None
+    digest, bad_rank = _digest(facts), -1
+    details: tuple[list[int], list[tuple[Facts, Problems]]] | None = None
     for group in groups:
         rows = agree_ints([digest, int(bool(problems)), flags, bad_rank + 1], group, device)
         for _, _, their_flags, their_bad in rows:
@@ -88,9 +89,9 @@ def _agree(
             bad_rank = max(bad_rank, their_bad - 1)
         if any(d != digest or p for d, p, _, _ in rows):  # every rank sees the same rows
             ranks = dist.get_process_group_ranks(group)
-            everyone = agree_objects((facts, problems), group)
+            everyone = cast("list[tuple[Facts, Problems]]", agree_objects((facts, problems), group))
             if details is None:
-                details = (ranks, everyone)  # type: ignore[assignment]
+                details = (ranks, everyone)
             bad_rank = max(bad_rank, min(ranks))
     return _Outcome(flags, details, bad_rank)
 

@@ -154,7 +154,7 @@ def _meta_on_rank1_only() -> dict[str, object]:
     if rank != 0:
         model.to_empty(device="cpu")
     kinds = []
-    for step in range(2):
+    for _ in range(2):
         with record_collectives() as records:
             model(torch.randn(8, 4)).sum().backward()
         kinds.append(dict(Counter(r.kind for r in records)))
