@@ -44,7 +44,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp2.collectives import agree_ints, agree_objects
-from fsdp2.mesh import MeshInfo
+from fsdp2.mesh import MeshInfo, device_of
 
 if TYPE_CHECKING:
     from fsdp2.param_group import FSDPParamGroup
@@ -217,17 +217,17 @@ def _still_meta(group: FSDPParamGroup) -> list[str]:
 
 
 def check_materialized(groups: list[FSDPParamGroup]) -> None:
-    """At lazy init: raise on every rank if a group that was on meta on some rank at
-    ``fully_shard`` still is on one (or the ranks now differ in dtypes or frozen parameters).
-    One exchange per process group, only for such groups; see [Note: errors on every rank]."""
-    pending = [g for g in groups if g.meta_on_some_rank]
+    """At lazy init: raise on every rank if the ranks differ in which groups are still on meta
+    (of those on meta on some rank at ``fully_shard``), or in dtypes or frozen parameters.
+    One exchange per process group, only for such groups; see [Note: errors on every rank].
+    Meta on every rank alike is left to the first gather, which then raises on every rank."""
     by_groups: dict[tuple[int, ...], list[FSDPParamGroup]] = {}
-    for group in pending:  # in module order: the same on every rank
-        key = tuple(id(pg) for pg in _dp_groups(group.info))
-        by_groups.setdefault(key, []).append(group)
+    for group in groups:  # in module order: the same on every rank
+        if group.meta_on_some_rank:
+            key = tuple(id(pg) for pg in _dp_groups(group.info))
+            by_groups.setdefault(key, []).append(group)
     for members in by_groups.values():
         facts: Facts = {}
-        problems: Problems = {}
         for group in members:
             for p in group.fsdp_params:
                 param = p.sharded_param
@@ -236,33 +236,37 @@ def check_materialized(groups: list[FSDPParamGroup]) -> None:
                 )
             meta = _still_meta(group)
             if meta:
-                problems[group.label or "<root>"] = ", ".join(meta)
+                facts[_META + (group.label or "<root>")] = ", ".join(meta)
         info = members[0].info
-        outcome = _agree(_dp_groups(info), members[0].device, facts, problems)
+        # The mesh's device: a group half converted by to_empty may sit on meta.
+        outcome = _agree(_dp_groups(info), device_of(info.mesh), facts, {})
         if outcome.details is not None:
             ranks, everyone = outcome.details
-            if any(p for _, p in everyone):
-                raise RuntimeError(_meta_message(ranks, [p for _, p in everyone]))
-            raise RuntimeError(_changed_message(ranks, [f for f, _ in everyone]))
+            each = [f for f, _ in everyone]
+            if any(k.startswith(_META) for f in each for k in f):
+                raise RuntimeError(_meta_message(ranks, each))
+            raise RuntimeError(_changed_message(ranks, each))
         if outcome.bad_rank >= 0:
             raise RuntimeError(
                 f"fsdp2: at the first forward, ranks differ in their parameters; rank "
                 f"{outcome.bad_rank}'s error says what differs"
             )
-        if problems:  # no peers: this rank alone
-            raise RuntimeError(_meta_message([dist.get_rank()], [problems]))
         for group in members:
             group.meta_on_some_rank = False
 
 
-def _meta_message(ranks: list[int], problems: list[Problems]) -> str:
+_META = "on meta: "  # the facts' key prefix for a group still on meta
+
+
+def _meta_message(ranks: list[int], facts: list[Facts]) -> str:
     lines = [
-        f"  {_rank_word([rank])}: fsdp2 module {label!r} ({names})"
-        for rank, here in zip(ranks, problems, strict=True)
-        for label, names in here.items()
+        f"  {_rank_word([rank])}: fsdp2 module {key.removeprefix(_META)!r} ({names})"
+        for rank, here in zip(ranks, facts, strict=True)
+        for key, names in here.items()
+        if key.startswith(_META)
     ]
     return (
-        "fsdp2: parameters are still on the meta device at the first forward:\n"
+        "fsdp2: parameters are still on the meta device at the first forward on some ranks:\n"
         + "\n".join(_cap(lines))
         + "\nMaterialise them on every rank before forward: module.to_empty(device=...), then "
         "module.reset_parameters() (or your own init, or load a checkpoint)"

@@ -121,7 +121,7 @@ Every rank must build the same model (shapes, dtypes, frozen parameters) and cal
         self.assertExpectedInline(
             _every_rank(_meta_then_step, "meta"),
             """\
-RuntimeError: fsdp2: parameters are still on the meta device at the first forward:
+RuntimeError: fsdp2: parameters are still on the meta device at the first forward on some ranks:
   rank 1: fsdp2 module '<root>' (2.weight, 2.bias)
   rank 1: fsdp2 module '0' (weight, bias)
 Materialise them on every rank before forward: module.to_empty(device=...), then module.reset_parameters() (or your own init, or load a checkpoint)""",
