@@ -53,6 +53,7 @@ __all__ = ["check_fully_shard", "check_materialized"]
 
 Facts = dict[str, str]  # name → what this rank has, worded for the error message
 Problems = dict[str, str]  # name → what is wrong with it on this rank
+_ARGUMENTS = "arguments of fully_shard"  # the facts' key for them
 _MAX_LINES = 8  # differences listed in a message; the first ones are what a user fixes first
 
 
@@ -66,8 +67,9 @@ class _Outcome:
 
 
 def _digest(facts: Facts) -> int:
-    """56 bits of a hash of ``facts``, the same on every rank for the same facts."""
-    text = repr(sorted(facts.items())).encode()
+    """56 bits of a hash of ``facts`` in order (the order of parameters is their layout), the
+    same on every rank for the same facts."""
+    text = repr(list(facts.items())).encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "little")
 
 
@@ -127,7 +129,7 @@ def check_fully_shard(
     """Raise on every rank of ``info``'s mesh unless they all shard the same parameters
     (``params``: each with its FQN) with the same ``arguments``, each on CPU, meta or
     ``device``. Returns whether any rank has a parameter on meta."""
-    facts: Facts = {"arguments of fully_shard": arguments}
+    facts: Facts = {_ARGUMENTS: arguments}
     facts.update((fqn, _describe(p)) for p, fqn in params.items())
     problems: Problems = {
         fqn: str(p.device)
@@ -178,6 +180,12 @@ def _mismatch_message(who: str, ranks: list[int], facts: list[Facts]) -> str:
         if len(by_value) > 1:
             found = "; ".join(f"{v} on {_rank_word(r)}" for v, r in by_value.items())
             lines.append(f"  {name}: {found}")
+    if not lines:  # the same parameters, registered in another order: another layout
+        orders: dict[str, list[int]] = {}
+        for rank, f in zip(ranks, facts, strict=True):
+            orders.setdefault(", ".join(k for k in f if k != _ARGUMENTS), []).append(rank)
+        found = "; ".join(f"{v} on {_rank_word(r)}" for v, r in orders.items())
+        lines.append(f"  order: {found}")
     return (
         f"fully_shard({who}): the ranks of the mesh differ in what they shard, so its "
         f"collectives would not match (a hang, or mixed-up values):\n"
@@ -231,8 +239,9 @@ def check_materialized(groups: list[FSDPParamGroup]) -> None:
         for group in members:
             for p in group.fsdp_params:
                 param = p.sharded_param
-                facts[p.fqn] = f"{str(param.dtype).removeprefix('torch.')}, " + (
-                    "requires_grad" if param.requires_grad else "frozen"
+                facts[f"{group.label}.{p.fqn}".lstrip(".")] = (
+                    f"{str(param.dtype).removeprefix('torch.')}, "
+                    + ("requires_grad" if param.requires_grad else "frozen")
                 )
             meta = _still_meta(group)
             if meta:

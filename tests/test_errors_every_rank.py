@@ -35,6 +35,9 @@ def _model(rank: int, case: str) -> nn.Sequential:
             model[2].to(torch.float64)
         elif case == "frozen":
             model[0].weight.requires_grad_(False)
+        elif case == "order":  # the same parameters, registered in another order
+            layer = model[2]
+            layer._parameters = dict(reversed(layer._parameters.items()))
         elif case == "device":
             weight = ClaimsDevice(model[2].weight.shape, torch.device("cuda", 0))
             model[2].weight = nn.Parameter(weight)
@@ -43,12 +46,15 @@ def _model(rank: int, case: str) -> nn.Sequential:
 
 def _shard_and_step(case: str) -> str:
     """``fully_shard`` the model (its first layer, then the root) and run one step."""
-    from fsdp2 import fully_shard
+    from fsdp2 import MixedPrecisionPolicy, fully_shard
 
     model = _model(dist.get_rank(), case)
 
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    policy = bf16 if case == "policy" and dist.get_rank() == 1 else MixedPrecisionPolicy()
+
     def step() -> None:
-        fully_shard(model[0])
+        fully_shard(model[0], mp_policy=policy)
         fully_shard(model)
         model(torch.randn(8, 4, dtype=model[0].weight.dtype)).sum().backward()
 
@@ -108,6 +114,25 @@ Every rank must build the same model (shapes, dtypes, frozen parameters) and cal
             """\
 ValueError: fully_shard(Linear): the ranks of the mesh differ in what they shard, so its collectives would not match (a hang, or mixed-up values):
   weight: shape (3, 4), float32, requires_grad on rank 0; shape (3, 4), float32, frozen on rank 1
+Every rank must build the same model (shapes, dtypes, frozen parameters) and call fully_shard with the same arguments""",
+        )
+
+    def test_parameter_order_differs_at_fully_shard(self) -> None:
+        # Not even a hang before: the gather silently mixed weight and bias chunks.
+        self.assertExpectedInline(
+            _every_rank(_shard_and_step, "order"),
+            """\
+ValueError: fully_shard(Sequential): the ranks of the mesh differ in what they shard, so its collectives would not match (a hang, or mixed-up values):
+  order: 2.weight, 2.bias on rank 0; 2.bias, 2.weight on rank 1
+Every rank must build the same model (shapes, dtypes, frozen parameters) and call fully_shard with the same arguments""",
+        )
+
+    def test_arguments_differ_at_fully_shard(self) -> None:
+        self.assertExpectedInline(
+            _every_rank(_shard_and_step, "policy"),
+            """\
+ValueError: fully_shard(Linear): the ranks of the mesh differ in what they shard, so its collectives would not match (a hang, or mixed-up values):
+  arguments of fully_shard: reshard_after_forward=None, MixedPrecisionPolicy(param_dtype=None, reduce_dtype=None, output_dtype=None, cast_forward_inputs=True), OffloadPolicy() on rank 0; reshard_after_forward=None, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=None, output_dtype=None, cast_forward_inputs=True), OffloadPolicy() on rank 1
 Every rank must build the same model (shapes, dtypes, frozen parameters) and call fully_shard with the same arguments""",
         )
 
