@@ -151,7 +151,10 @@ def _apply(
     label = ", ".join(type(m).__name__ for m in modules)
     slots = _managed_params(modules, ignored_params or set())
     # Before anything that could raise from this rank's own tensors: see agreement.py.
-    arguments = f"reshard_after_forward={reshard_after_forward!r}, {mp_policy}, {offload_policy}"
+    arguments = (
+        f"{info.mesh}, reshard_after_forward={reshard_after_forward!r}, {mp_policy}, "
+        f"{offload_policy}"
+    )
     fqns = {param: fqn for param, (fqn, _) in slots.items()}
     meta_on_some_rank = check_fully_shard(label, fqns, info, device, arguments)
     # mesh (None: fully_shard's own) -> its parameters and their full tensors

@@ -132,7 +132,7 @@ Every rank must build the same model (shapes, dtypes, frozen parameters) and cal
             _every_rank(_shard_and_step, "policy"),
             """\
 ValueError: fully_shard(Linear): the ranks of the mesh differ in what they shard, so its collectives would not match (a hang, or mixed-up values):
-  arguments of fully_shard: reshard_after_forward=None, MixedPrecisionPolicy(param_dtype=None, reduce_dtype=None, output_dtype=None, cast_forward_inputs=True), OffloadPolicy() on rank 0; reshard_after_forward=None, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=None, output_dtype=None, cast_forward_inputs=True), OffloadPolicy() on rank 1
+  arguments of fully_shard: DeviceMesh((2,), 'cpu', stride=(1,)), reshard_after_forward=None, MixedPrecisionPolicy(param_dtype=None, reduce_dtype=None, output_dtype=None, cast_forward_inputs=True), OffloadPolicy() on rank 0; DeviceMesh((2,), 'cpu', stride=(1,)), reshard_after_forward=None, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=None, output_dtype=None, cast_forward_inputs=True), OffloadPolicy() on rank 1
 Every rank must build the same model (shapes, dtypes, frozen parameters) and call fully_shard with the same arguments""",
         )
 
