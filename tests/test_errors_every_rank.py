@@ -1,7 +1,7 @@
 """A mistake made on one rank only raises the same clear error on every rank (no hang).
 
-Each case makes the bad input happen on rank 1 only (a different shape, dtype, frozen weight, a
-parameter on another device, a parameter left on meta) and runs ``fully_shard`` and one training
+Each case makes the bad input happen on rank 1 only (a different shape, dtype, frozen weight,
+parameter order, mixed precision policy, a parameter on another device, one left on meta) and runs ``fully_shard`` and one training
 step on both ranks; every rank must come back with the error. Before fsdp2 exchanged these facts
 (see [Note: errors on every rank] in fsdp2/agreement.py), rank 1 raised alone, or nobody raised
 and the first collective hung or mixed up bytes: the short timeout turns such a hang into a
@@ -11,6 +11,7 @@ failure (and the harness then discards the pool, whose ranks may be stuck in a c
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 import expecttest
 import pytest
@@ -49,7 +50,6 @@ def _shard_and_step(case: str) -> str:
     from fsdp2 import MixedPrecisionPolicy, fully_shard
 
     model = _model(dist.get_rank(), case)
-
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     policy = bf16 if case == "policy" and dist.get_rank() == 1 else MixedPrecisionPolicy()
 
@@ -78,8 +78,8 @@ def _meta_then_step(case: str) -> str:
     return error_text(lambda: model(torch.randn(8, 4)).sum().backward())
 
 
-def _every_rank(fn: object, case: str) -> str:
-    results = run_on_ranks(2, fn, case, timeout=TIMEOUT_S)  # type: ignore[arg-type]
+def _every_rank(fn: Callable[[str], str], case: str) -> str:
+    results = run_on_ranks(2, fn, case, timeout=TIMEOUT_S)
     assert results[0] != NO_ERROR, f"rank 0 did not raise; rank 1: {results[1]}"
     assert results[0] == results[1], results
     text: str = results[0]
