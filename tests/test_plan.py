@@ -31,6 +31,16 @@ from tests.harness import run_on_ranks
 from tests.models import MODELS, build_model, make_batch
 from tests.parity import MODEL_SEED, batch_seed
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_default_group() -> None:
+    """fsdp2.plan makes the default group a fake one, so it refuses while one exists; other test
+    modules leave a 1-rank gloo group in this process (init_local_process_group). Take it down:
+    the next test that needs it makes it again."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 pytestmark = pytest.mark.usefixtures("fsdp2_only")
 
 BF16 = fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
