@@ -9,6 +9,7 @@ Every contender trains the same model from the same init on the same global batc
   ddp     DistributedDataParallel
   single  the plain model on this rank's slice of the batch, no communication (the lower bound)
 plus a second, separately built `torch` whose distance from the first is the noise floor.
+With --collective-checks, also `fsdp2+checks`: fsdp2 with FSDP2_CHECK_COLLECTIVES on for its steps.
 See benchmarks/README.md for what each column means.
 """
 
@@ -39,6 +40,7 @@ from measure import CommCounter, CommCounts, CPUMemory, timed
 from workloads import DEFAULT_SIZES, MODELS, blocks_of, build_model, make_batch, param_bytes
 
 try:
+    import fsdp2
     from fsdp2 import fully_shard as fsdp2_fully_shard
 except Exception as e:  # fsdp2 may be mid-rewrite: benchmark the others and say why
     fsdp2_fully_shard, fsdp2_missing = None, f"{type(e).__name__}: {e}"
@@ -63,12 +65,17 @@ parser.add_argument(
 parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (%(default)s)")
 parser.add_argument("--no-memory", action="store_true", help="skip peak memory (needs g++)")
 parser.add_argument("--json", type=Path, help="append one JSON line with all results here")
+parser.add_argument(
+    "--collective-checks", action="store_true", help="also time fsdp2 with collective checks on"
+)
 args = parser.parse_args()
 
 overrides = {k: v for k in ("layers", "dim", "heads", "seq") if (v := getattr(args, k))}
 size = replace(DEFAULT_SIZES[args.model], **overrides)
 names = args.contenders.split(",")
-if unknown := set(names) - {"fsdp2", "torch", "ddp", "single"}:
+if args.collective_checks and "fsdp2" in names:
+    names.insert(names.index("fsdp2") + 1, "fsdp2+checks")
+if unknown := set(names) - {"fsdp2", "fsdp2+checks", "torch", "ddp", "single"}:
     raise ValueError(f"--contenders: unknown {sorted(unknown)}; pick from fsdp2,torch,ddp,single")
 if args.rounds < 5:
     raise ValueError(f"--rounds must be at least 5 for a meaningful median, got {args.rounds}")
@@ -91,7 +98,7 @@ local = slice(rank * args.batch // world_size, (rank + 1) * args.batch // world_
 inputs, targets = inputs[local], targets[local]  # every contender sees this rank's slice
 
 if "fsdp2" in names and fsdp2_fully_shard is None:
-    names.remove("fsdp2")
+    names = [n for n in names if not n.startswith("fsdp2")]
     if rank == 0:
         print(f"skipping fsdp2 (not importable yet): {fsdp2_missing}")
 if "torch" in names:
@@ -114,8 +121,8 @@ class Contender:
 def build(name: str) -> Contender:
     torch.manual_seed(0)  # same init for every contender
     model = build_model(args.model, size)
-    if name in ("fsdp2", "torch", "torch#2"):
-        shard = fsdp2_fully_shard if name == "fsdp2" else torch_fully_shard
+    if name in ("fsdp2", "fsdp2+checks", "torch", "torch#2"):
+        shard = fsdp2_fully_shard if name.startswith("fsdp2") else torch_fully_shard
         for block in blocks_of(model):
             shard(block)
         shard(model)
@@ -129,6 +136,8 @@ def build(name: str) -> Contender:
 
 
 def train_step(c: Contender) -> None:
+    if fsdp2_fully_shard is not None:
+        fsdp2.set_collective_checks(c.name == "fsdp2+checks")
     _, loss = c.model(inputs, targets)
     loss.backward()
     c.opt.step()

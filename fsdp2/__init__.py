@@ -9,8 +9,10 @@ from fsdp2.api import (
     share_comm_ctx,
 )
 from fsdp2.auto import AutoShardResult, auto_shard
+from fsdp2.checks import CollectiveMismatchError, set_collective_checks
 from fsdp2.full_params import summon_full_params
 from fsdp2.grad_scaler import ShardedGradScaler
+from fsdp2.hang import CollectiveTimeoutError
 from fsdp2.planner import Plan, plan
 from fsdp2.policies import (
     CPUOffloadPolicy,
@@ -23,6 +25,8 @@ from fsdp2.swap import patch_torch_fsdp
 __all__ = [
     "AutoShardResult",
     "CPUOffloadPolicy",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
     "DataParallelMeshDims",
     "FSDPModule",
     "MixedPrecisionPolicy",
@@ -36,6 +40,7 @@ __all__ = [
     "plan",
     "register_fsdp_forward_method",
     "replicate",
+    "set_collective_checks",
     "share_comm_ctx",
     "summon_full_params",
 ]

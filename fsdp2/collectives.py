@@ -9,6 +9,7 @@ benchmarks sum bytes).
 from __future__ import annotations
 
 import math
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -17,6 +18,8 @@ from typing import Literal, cast
 
 import torch
 import torch.distributed as dist
+
+from fsdp2 import checks, hang
 
 __all__ = [
     "AllGather",
@@ -39,7 +42,10 @@ __all__ = [
 ]
 
 # "agree": the small exchanges that make every rank raise alike (agreement.py), at init only.
-CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "agree"]
+# "check": the fingerprint exchanges of the collective checks (checks.py), opt-in.
+CollectiveKind = Literal[
+    "all_gather", "reduce_scatter", "all_reduce", "all_to_all", "agree", "check"
+]
 
 
 @dataclass(frozen=True)
@@ -88,16 +94,29 @@ def _record(
 
 
 class Pending:
-    """An issued collective; ``wait()`` returns once its output may be read."""
+    """An issued collective; ``wait()`` returns once its output may be read (or raises the hang
+    report after ``FSDP2_COLLECTIVE_TIMEOUT`` seconds: see [Note: the hang report])."""
 
-    __slots__ = ("_work",)
+    __slots__ = ("_device", "_done", "_event", "_work")
 
-    def __init__(self, work: dist.Work | None) -> None:
+    def __init__(
+        self,
+        work: dist.Work | None,
+        event: hang.Event | None = None,
+        device: torch.device | None = None,
+        done: threading.Event | None = None,
+    ) -> None:
         self._work = work
+        self._event = event
+        self._device = device
+        self._done = done  # set by the hang report's helper thread once ``work`` finished
 
     def wait(self) -> None:
         if self._work is not None:
-            self._work.wait()
+            if self._event is None or self._device is None:
+                self._work.wait()
+            else:
+                hang.wait(self._work, self._event, self._device, done=self._done)
             self._work = None
 
     def done(self) -> bool:
@@ -323,11 +342,10 @@ def all_gather(
     comm: AllGather | None = None,
 ) -> Pending:
     """Gather every rank's ``inp`` (1-D, same size everywhere) into ``out``, rank-major."""
-    if _recorders:
-        _record("all_gather", label, inp, out, group)
+    event = _note("all_gather", label, inp, out, group)
     if comm is not None:
-        return Pending(comm(out, inp, group, async_op=True))
-    return Pending(_all_gather_single(out, inp, group=group, async_op=True))
+        return Pending(comm(out, inp, group, async_op=True), event, inp.device)
+    return Pending(_all_gather_single(out, inp, group=group, async_op=True), event, inp.device)
 
 
 def reduce_scatter(
@@ -339,20 +357,44 @@ def reduce_scatter(
     comm: ReduceScatter | None = None,
 ) -> Pending:
     """Reduce ``inp`` (rank-major chunks) over ranks; this rank's chunk lands in ``out``."""
-    if _recorders:
-        _record("reduce_scatter", label, inp, out, group)
+    event = _note("reduce_scatter", label, inp, out, group)
     if comm is not None:
-        return Pending(comm(out, inp, group, op, async_op=True))
-    return Pending(_reduce_scatter_single(out, inp, op=op, group=group, async_op=True))
+        work = comm(out, inp, group, op, async_op=True)
+    else:
+        work = _reduce_scatter_single(out, inp, op=op, group=group, async_op=True)
+    # gloo's reduce-scatter ignores wait()'s timeout: a helper thread waits for it instead.
+    done = None if work is None else hang.watch(work, group, inp.device)
+    return Pending(work, event, inp.device, done)
 
 
 def all_reduce(
     tensor: torch.Tensor, group: dist.ProcessGroup, label: str, op: dist.ReduceOp.RedOpType
 ) -> Pending:
     """Reduce ``tensor`` in place over ``group`` (HSDP's replicas, replicate-only training)."""
+    event = _note("all_reduce", label, tensor, tensor, group)
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+    return Pending(work, event, tensor.device)
+
+
+def _note(
+    kind: CollectiveKind,
+    label: str,
+    inp: torch.Tensor,
+    out: torch.Tensor,
+    group: dist.ProcessGroup,
+) -> hang.Event:
+    """Before issuing: the event ring (always), the cross-rank check (opt-in), the records."""
+    event = hang.note(kind, label, inp, group)
+    if checks._enabled:
+        if _recorders:
+            size = checks.FINGERPRINT_BYTES
+            check = CollectiveRecord("check", label, size, size * group.size(), group.size())
+            for records in _recorders:
+                records.append(check)
+        checks.verify(event, inp.device, _all_gather_single)
     if _recorders:
-        _record("all_reduce", label, tensor, tensor, group)
-    return Pending(dist.all_reduce(tensor, op=op, group=group, async_op=True))
+        _record(kind, label, inp, out, group)
+    return event
 
 
 def all_to_all(
@@ -366,12 +408,11 @@ def all_to_all(
     """Send ``inp``'s i-th split (``in_splits[i]`` elements of the 1-D ``inp``) to rank i of
     ``group``; rank j's split for this rank lands in ``out``'s j-th split (``out_splits[j]``).
     Splits may be uneven (and zero): matrix optimizers move whole matrices' shards this way."""
-    if _recorders:
-        _record("all_to_all", label, inp, out, group)
+    event = _note("all_to_all", label, inp, out, group)
     work = dist.all_to_all_single(
         out, inp, list(out_splits), list(in_splits), group=group, async_op=True
     )
-    return Pending(work)
+    return Pending(work, event, inp.device)
 
 
 def agree_ints(

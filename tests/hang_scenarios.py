@@ -1,0 +1,236 @@
+"""Rank-side scenarios for `tests/test_hang.py`: the ways ranks stop issuing matching collectives.
+
+Each scenario trains a small stack on its own fresh process group (so a half-done collective
+leaves the pool's default group intact for the next scenario) and returns, per rank, what ended
+its step: ``"<ErrorType>: <message>"`` with times normalised, or what the rank did instead.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+
+from fsdp2 import FSDPModule
+
+DIM, OUT, WINDOW = 8, 4, 4
+TIMEOUT_S = 1.5  # FSDP2_COLLECTIVE_TIMEOUT in these scenarios
+TRIPWIRE = "tripwire fired in backward"
+
+
+class Tripwire(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError(TRIPWIRE)
+
+
+class Gated(nn.Module):
+    """One fully_shard group whose second layer runs only when asked (a gate, an MoE group)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        return self.a(x) + self.b(x) if use_b else self.a(x)
+
+
+class Stack(nn.Module):
+    """Blocks, two experts and a long-context layer, with switches that make ranks diverge."""
+
+    def __init__(self, gated: bool = False) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(3))
+        self.experts = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(2))
+        self.long_context = nn.Linear(DIM, DIM)  # only for sequences longer than WINDOW
+        self.gated = Gated() if gated else None
+        self.head = nn.Linear(DIM, OUT)
+        self.skip: set[int] = set()  # block indices this rank skips
+        self.num_experts = 2  # this rank's router picks experts[:num_experts]
+        self.trip = False  # raise in backward, between blocks 1 and 2
+        self.gate_b = True  # whether gated.b runs (gated is one fully_shard group)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            if i not in self.skip:
+                x = torch.tanh(block(x))
+            if i == 1 and self.trip:
+                x = Tripwire.apply(x)
+        x = sum((expert(x) for expert in self.experts[: self.num_experts]), torch.zeros_like(x))
+        if x.shape[1] > WINDOW:
+            x = self.long_context(x)
+        if self.gated is not None:
+            x = self.gated(x, self.gate_b)
+        return F.mse_loss(self.head(x), y)
+
+
+def build(group: dist.ProcessGroup | None = None, gated: bool = False) -> Stack:
+    from tests.harness import fsdp_api
+
+    fully_shard = fsdp_api("fsdp2").fully_shard
+    torch.manual_seed(0)
+    model = Stack(gated)
+    mesh = None if group is None else DeviceMesh.from_group(group, "cpu")
+    for module in [*model.blocks, *model.experts, model.long_context, model.gated]:
+        if module is not None:
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def batch(step: int, seq: int = WINDOW) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 * step + dist.get_rank())
+    return torch.randn(2, seq, DIM, generator=gen), torch.randn(2, seq, OUT, generator=gen)
+
+
+def outcome(fn: Callable[[], Any]) -> str:
+    try:
+        result = fn()
+    except Exception as e:
+        return normalise(f"{type(e).__name__}: {e}")
+    return str(result)
+
+
+def normalise(text: str) -> str:
+    """Times vary from run to run: ``2.3 s`` -> ``N s``."""
+    return re.sub(r"\b\d+\.\d+ s\b", "N s", text)
+
+
+def _step(model: Stack, step: int, seq: int = WINDOW) -> str:
+    model(*batch(step, seq)).backward()
+    return "finished the step"
+
+
+def _skipped_block(model: Stack) -> str:
+    model.skip = {1} if dist.get_rank() == 1 else set()
+    return _step(model, 0)
+
+
+def _expert_on_rank0(model: Stack) -> str:
+    model.num_experts = 2 if dist.get_rank() == 0 else 1
+    return _step(model, 0)
+
+
+def _raise_in_backward(model: Stack) -> str:
+    model.trip = dist.get_rank() == 1
+    return _step(model, 0)
+
+
+def _batch_shapes(model: Stack) -> str:
+    return _step(model, 0, seq=WINDOW + 2 * dist.get_rank())  # rank 1: longer sequences
+
+
+def _never_enters(model: Stack) -> str:
+    _step(model, 0)
+    if dist.get_rank() == 1:
+        return "skipped step 1"  # e.g. its data loader ran out a batch early
+    return _step(model, 1)
+
+
+def _eval_on_rank0(model: Stack) -> str:
+    if dist.get_rank() == 0:  # e.g. a validation loss, logged by rank 0 only
+        with torch.no_grad():
+            model(*batch(99))
+    return _step(model, 0)
+
+
+def _unused_param(model: Stack) -> str:
+    model.gate_b = dist.get_rank() == 0  # rank 1: gated.b gets no gradient
+    return _step(model, 0)
+
+
+def _unused_param_fixed(model: Stack) -> str:
+    """The fix the mismatch report suggests: reduce zeros for parameters without gradients."""
+    assert model.gated is not None
+    cast(FSDPModule, model.gated).set_reduce_scatter_unused_params(True)
+    return _unused_param(model)
+
+
+SCENARIOS: dict[str, Callable[[Stack], str]] = {
+    "skipped_block": _skipped_block,
+    "expert_on_rank0": _expert_on_rank0,
+    "raise_in_backward": _raise_in_backward,
+    "batch_shapes": _batch_shapes,
+    "never_enters": _never_enters,
+    "eval_on_rank0": _eval_on_rank0,
+    "unused_param": _unused_param,
+    "unused_param_fixed": _unused_param_fixed,
+}
+
+
+def run_scenarios(names: list[str], checks: bool) -> dict[str, tuple[str, float]]:
+    """Each scenario on a fresh group: (what ended this rank's step, seconds it took)."""
+    import fsdp2
+
+    results = {}
+    os.environ["FSDP2_COLLECTIVE_TIMEOUT"] = str(TIMEOUT_S)
+    fsdp2.set_collective_checks(checks)
+    try:
+        for name in names:
+            group = dist.new_group(backend="gloo")
+            model = build(group, gated=name.startswith("unused_param"))
+            start = time.monotonic()
+            text = outcome(lambda: SCENARIOS[name](model))  # noqa: B023
+            results[name] = (text, time.monotonic() - start)
+    finally:
+        del os.environ["FSDP2_COLLECTIVE_TIMEOUT"]
+        fsdp2.set_collective_checks(False)
+    return results
+
+
+def train(checks: bool, steps: int = 3) -> dict[str, Any]:
+    """A normal run: per-step losses, the collectives fsdp2 recorded and the ``torch.distributed``
+    calls it made (counted under the seam, so an unrecorded collective would show)."""
+    import fsdp2
+    from fsdp2 import collectives
+
+    calls: Counter[str] = Counter()
+
+    def counting(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return call
+
+    patched = {
+        (collectives, "_all_gather_single"): collectives._all_gather_single,
+        (collectives, "_reduce_scatter_single"): collectives._reduce_scatter_single,
+        (dist, "all_reduce"): dist.all_reduce,
+    }
+    for (module, name), fn in patched.items():
+        setattr(module, name, counting(name, fn))
+    fsdp2.set_collective_checks(checks)
+    try:
+        model = build()
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        with collectives.record_collectives() as records:
+            for step in range(steps):
+                loss = model(*batch(step))
+                loss.backward()
+                optim.step()
+                optim.zero_grad()
+                losses.append(loss.detach())
+    finally:
+        fsdp2.set_collective_checks(False)
+        for (module, name), fn in patched.items():
+            setattr(module, name, fn)
+    return {
+        "losses": losses,
+        "records": Counter(r.kind for r in records),
+        "calls": sum(calls.values()),
+    }

@@ -1,0 +1,285 @@
+"""Never a silent hang: collective checks (opt-in) and the hang report (always on).
+
+Each scenario in `tests/hang_scenarios.py` makes the ranks stop issuing matching collectives (a
+module skipped on one rank, an expert used on rank 0 only, a rank that raises in backward,
+shapes that differ per rank, a rank that never enters the step). Each must end within seconds on
+every rank blocked in fsdp2, with an error naming the module: the hang report (checks off), or
+the mismatch report before anything mismatched is issued (checks on). The scenarios run once per
+mode, on fresh process groups; the pool is discarded afterwards (those groups are half done).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import expecttest
+import pytest
+import torch
+
+from tests.hang_scenarios import SCENARIOS, TIMEOUT_S, train
+from tests.harness import IMPL_UNDER_TEST, discard_pool, run_on_ranks
+
+pytestmark = pytest.mark.skipif(IMPL_UNDER_TEST != "fsdp2", reason="fsdp2's own reports")
+
+Results = dict[str, list[tuple[str, float]]]  # scenario -> per rank (outcome, seconds)
+
+
+@functools.cache
+def _results(checks: bool) -> Results:
+    from tests.hang_scenarios import run_scenarios
+
+    # The last two end in a mismatch, seen only with checks on; off, they time out like the rest.
+    names = list(SCENARIOS) if checks else list(SCENARIOS)[:5]
+    per_rank = run_on_ranks(2, run_scenarios, names, checks, timeout=120)
+    return {name: [per_rank[r][name] for r in range(2)] for name in names}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _discard_broken_groups() -> Iterator[None]:
+    yield
+    _results.cache_clear()
+    discard_pool(2)  # the scenarios' groups have half-done collectives on their gloo threads
+
+
+def _outcomes(name: str, checks: bool) -> list[str]:
+    results = _results(checks)[name]
+    for rank, (_, seconds) in enumerate(results):
+        # Bounded by the deadline, not by gloo's 30-minute timeout: the deadline, one
+        # publishing interval of grace, and slack for a loaded machine.
+        assert seconds < TIMEOUT_S * 1.25 + 5, f"rank {rank} took {seconds:.1f} s in {name}"
+    return [text for text, _ in results]
+
+
+class TestHangReport(expecttest.TestCase):
+    """Checks off: every rank blocked in an fsdp2 collective raises the hang report."""
+
+    def test_skipped_block(self) -> None:
+        rank0, rank1 = _outcomes("skipped_block", checks=False)
+        self.assertExpectedInline(
+            rank0,
+            """\
+CollectiveTimeoutError: fsdp2: rank 0 waited N s (FSDP2_COLLECTIVE_TIMEOUT) for the all-gather #7 for `experts.0` (36 elements, float32) on the process group of ranks [0, 1], and it has not finished.
+Where each rank is (from the c10d store):
+  rank 0 (this rank): blocked in it
+  rank 1: DIFFERENT collective: blocked in reduce-scatter #7 for `experts.1` (72 elements, float32) for N s [published N s ago]
+A rank MISSING from it skipped that module (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs or shapes), raised, or never started the step. A rank on a DIFFERENT collective got out of step earlier: collectives pair up by order, not by module, so earlier ones may have exchanged wrong data. The process group is unusable now (a collective is half done): abort the job on every rank. FSDP2_CHECK_COLLECTIVES=1 stops at the first collective where the ranks disagree, with both sides named.""",
+        )
+        self.assertExpectedInline(
+            rank1,
+            """\
+CollectiveTimeoutError: fsdp2: rank 1 waited N s (FSDP2_COLLECTIVE_TIMEOUT) for the reduce-scatter #7 for `experts.1` (72 elements, float32) on the process group of ranks [0, 1], and it has not finished.
+Where each rank is (from the c10d store):
+  rank 0: DIFFERENT collective: blocked in all-gather #7 for `experts.0` (36 elements, float32) for N s [published N s ago]
+  rank 1 (this rank): blocked in it
+A rank MISSING from it skipped that module (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs or shapes), raised, or never started the step. A rank on a DIFFERENT collective got out of step earlier: collectives pair up by order, not by module, so earlier ones may have exchanged wrong data. The process group is unusable now (a collective is half done): abort the job on every rank. FSDP2_CHECK_COLLECTIVES=1 stops at the first collective where the ranks disagree, with both sides named.""",
+        )
+
+    def test_expert_on_rank0(self) -> None:
+        rank0, rank1 = _outcomes("expert_on_rank0", checks=False)
+        self.assertExpectedInline(
+            rank0,
+            """\
+CollectiveTimeoutError: fsdp2: rank 0 waited N s (FSDP2_COLLECTIVE_TIMEOUT) for the all-gather #6 for `experts.1` (36 elements, float32) on the process group of ranks [0, 1], and it has not finished.
+Where each rank is (from the c10d store):
+  rank 0 (this rank): blocked in it
+  rank 1: DIFFERENT collective, issued reduce-scatter #6 for `experts.0` (72 elements, float32); blocked in all-gather #7 for `blocks.2` (36 elements, float32) for N s [published N s ago]
+A rank MISSING from it skipped that module (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs or shapes), raised, or never started the step. A rank on a DIFFERENT collective got out of step earlier: collectives pair up by order, not by module, so earlier ones may have exchanged wrong data. The process group is unusable now (a collective is half done): abort the job on every rank. FSDP2_CHECK_COLLECTIVES=1 stops at the first collective where the ranks disagree, with both sides named.""",
+        )
+        self.assertExpectedInline(
+            rank1,
+            """\
+CollectiveTimeoutError: fsdp2: rank 1 waited N s (FSDP2_COLLECTIVE_TIMEOUT) for the all-gather #7 for `blocks.2` (36 elements, float32) on the process group of ranks [0, 1], and it has not finished.
+Where each rank is (from the c10d store):
+  rank 0: MISSING, issued only #0-#6 on this group; blocked in all-gather #6 for `experts.1` (36 elements, float32) for N s [published N s ago]
+  rank 1 (this rank): blocked in it
+A rank MISSING from it skipped that module (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs or shapes), raised, or never started the step. A rank on a DIFFERENT collective got out of step earlier: collectives pair up by order, not by module, so earlier ones may have exchanged wrong data. The process group is unusable now (a collective is half done): abort the job on every rank. FSDP2_CHECK_COLLECTIVES=1 stops at the first collective where the ranks disagree, with both sides named.""",
+        )
+
+    def test_raise_in_backward(self) -> None:
+        rank0, rank1 = _outcomes("raise_in_backward", checks=False)
+        self.assertExpectedInline(
+            rank0,
+            """\
+CollectiveTimeoutError: fsdp2: rank 0 waited N s (FSDP2_COLLECTIVE_TIMEOUT) for the all-gather #12 for `blocks.1` (36 elements, float32) on the process group of ranks [0, 1], and it has not finished.
+Where each rank is (from the c10d store):
+  rank 0 (this rank): blocked in it
+  rank 1: MISSING, issued only #0-#11 on this group; not in an fsdp2 collective (busy elsewhere, finished or raised); last seen N s ago issuing reduce-scatter #11 for `blocks.2` (72 elements, float32) [published N s ago]
+A rank MISSING from it skipped that module (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs or shapes), raised, or never started the step. A rank on a DIFFERENT collective got out of step earlier: collectives pair up by order, not by module, so earlier ones may have exchanged wrong data. The process group is unusable now (a collective is half done): abort the job on every rank. FSDP2_CHECK_COLLECTIVES=1 stops at the first collective where the ranks disagree, with both sides named.""",
+        )
+        self.assertEqual(rank1, "RuntimeError: tripwire fired in backward")
+
+    def test_batch_shapes(self) -> None:
+        rank0, rank1 = _outcomes("batch_shapes", checks=False)
+        self.assertExpectedInline(
+            rank0,
+            """\
+CollectiveTimeoutError: fsdp2: rank 0 waited N s (FSDP2_COLLECTIVE_TIMEOUT) for the all-gather #10 for `blocks.2` (36 elements, float32) on the process group of ranks [0, 1], and it has not finished.
+Where each rank is (from the c10d store):
+  rank 0 (this rank): blocked in it
+  rank 1: MISSING, issued only #0-#9 on this group; blocked in all-gather #9 for `experts.1` (36 elements, float32) for N s [published N s ago]
+A rank MISSING from it skipped that module (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs or shapes), raised, or never started the step. A rank on a DIFFERENT collective got out of step earlier: collectives pair up by order, not by module, so earlier ones may have exchanged wrong data. The process group is unusable now (a collective is half done): abort the job on every rank. FSDP2_CHECK_COLLECTIVES=1 stops at the first collective where the ranks disagree, with both sides named.""",
+        )
+        self.assertExpectedInline(
+            rank1,
+            """\
+CollectiveTimeoutError: fsdp2: rank 1 waited N s (FSDP2_COLLECTIVE_TIMEOUT) for the all-gather #9 for `experts.1` (36 elements, float32) on the process group of ranks [0, 1], and it has not finished.
+Where each rank is (from the c10d store):
+  rank 0: DIFFERENT collective, issued reduce-scatter #9 for `experts.0` (72 elements, float32); blocked in all-gather #10 for `blocks.2` (36 elements, float32) for N s [published N s ago]
+  rank 1 (this rank): blocked in it
+A rank MISSING from it skipped that module (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs or shapes), raised, or never started the step. A rank on a DIFFERENT collective got out of step earlier: collectives pair up by order, not by module, so earlier ones may have exchanged wrong data. The process group is unusable now (a collective is half done): abort the job on every rank. FSDP2_CHECK_COLLECTIVES=1 stops at the first collective where the ranks disagree, with both sides named.""",
+        )
+
+    def test_never_enters(self) -> None:
+        rank0, rank1 = _outcomes("never_enters", checks=False)
+        self.assertExpectedInline(
+            rank0,
+            """\
+CollectiveTimeoutError: fsdp2: rank 0 waited N s (FSDP2_COLLECTIVE_TIMEOUT) for the all-gather #17 for `<root>` (18 elements, float32) on the process group of ranks [0, 1], and it has not finished.
+Where each rank is (from the c10d store):
+  rank 0 (this rank): blocked in it
+  rank 1: MISSING, issued only #0-#16 on this group; not in an fsdp2 collective (busy elsewhere, finished or raised); last seen N s ago issuing reduce-scatter #16 for `<root>` (36 elements, float32) [published N s ago]
+A rank MISSING from it skipped that module (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs or shapes), raised, or never started the step. A rank on a DIFFERENT collective got out of step earlier: collectives pair up by order, not by module, so earlier ones may have exchanged wrong data. The process group is unusable now (a collective is half done): abort the job on every rank. FSDP2_CHECK_COLLECTIVES=1 stops at the first collective where the ranks disagree, with both sides named.""",
+        )
+        self.assertEqual(rank1, "skipped step 1")
+
+
+class TestCollectiveChecks(expecttest.TestCase):
+    """Checks on: the first disagreement raises on every rank, before it is issued; a rank that
+    is missing altogether still ends in the hang report, from the fingerprint exchange."""
+
+    def test_skipped_block(self) -> None:
+        rank0, rank1 = _outcomes("skipped_block", checks=True)
+        self.assertEqual(rank0, rank1)
+        self.assertExpectedInline(
+            rank0,
+            """\
+CollectiveMismatchError: fsdp2: the ranks of the process group of ranks [0, 1] were about to issue different collectives (FSDP2_CHECK_COLLECTIVES):
+  rank 0: all-gather #2 for `blocks.1` (36 elements, float32)
+  rank 1: all-gather #2 for `blocks.2` (36 elements, float32)
+Likely cause: a module, or a whole forward, ran on some ranks only (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs or input shapes, an evaluation forward on rank 0 only). Fix: run every fully_shard module on every rank each step (e.g. call an unused expert on an empty batch), or decide the control flow from facts every rank shares.
+Nothing was issued: every rank of the group raises this error.""",
+        )
+
+    def test_expert_on_rank0(self) -> None:
+        rank0, rank1 = _outcomes("expert_on_rank0", checks=True)
+        self.assertEqual(rank0, rank1)
+        self.assertExpectedInline(
+            rank0,
+            """\
+CollectiveMismatchError: fsdp2: the ranks of the process group of ranks [0, 1] were about to issue different collectives (FSDP2_CHECK_COLLECTIVES):
+  rank 0: all-gather #5 for `experts.1` (36 elements, float32)
+  rank 1: all-gather #5 for `experts.0` (36 elements, float32)
+Likely cause: a module, or a whole forward, ran on some ranks only (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs or input shapes, an evaluation forward on rank 0 only). Fix: run every fully_shard module on every rank each step (e.g. call an unused expert on an empty batch), or decide the control flow from facts every rank shares.
+Nothing was issued: every rank of the group raises this error.""",
+        )
+
+    def test_batch_shapes(self) -> None:
+        rank0, rank1 = _outcomes("batch_shapes", checks=True)
+        self.assertEqual(rank0, rank1)
+        self.assertExpectedInline(
+            rank0,
+            """\
+CollectiveMismatchError: fsdp2: the ranks of the process group of ranks [0, 1] were about to issue different collectives (FSDP2_CHECK_COLLECTIVES):
+  rank 0: all-gather #6 for `experts.1` (36 elements, float32)
+  rank 1: all-gather #6 for `long_context` (36 elements, float32)
+Likely cause: a module, or a whole forward, ran on some ranks only (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs or input shapes, an evaluation forward on rank 0 only). Fix: run every fully_shard module on every rank each step (e.g. call an unused expert on an empty batch), or decide the control flow from facts every rank shares.
+Nothing was issued: every rank of the group raises this error.""",
+        )
+
+    def test_raise_in_backward(self) -> None:
+        rank0, rank1 = _outcomes("raise_in_backward", checks=True)
+        self.assertExpectedInline(
+            rank0,
+            """\
+CollectiveTimeoutError: fsdp2: rank 0 waited N s (FSDP2_COLLECTIVE_TIMEOUT) for the fingerprint exchange before the all-gather #12 for `blocks.1` (36 elements, float32) on the process group of ranks [0, 1], and it has not finished.
+Where each rank is (from the c10d store):
+  rank 0 (this rank): blocked in it
+  rank 1: MISSING, issued only #0-#11 on this group; not in an fsdp2 collective (busy elsewhere, finished or raised); last seen N s ago issuing reduce-scatter #11 for `blocks.2` (72 elements, float32) [published N s ago]
+A rank MISSING from it skipped that module (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs or shapes), raised, or never started the step. A rank on a DIFFERENT collective got out of step earlier: collectives pair up by order, not by module, so earlier ones may have exchanged wrong data. The process group is unusable now (a collective is half done): abort the job on every rank. (Collective checks are on: the ranks agreed on every collective before this one.)""",
+        )
+        self.assertEqual(rank1, "RuntimeError: tripwire fired in backward")
+
+    def test_never_enters(self) -> None:
+        rank0, rank1 = _outcomes("never_enters", checks=True)
+        self.assertExpectedInline(
+            rank0,
+            """\
+CollectiveTimeoutError: fsdp2: rank 0 waited N s (FSDP2_COLLECTIVE_TIMEOUT) for the fingerprint exchange before the all-gather #17 for `<root>` (18 elements, float32) on the process group of ranks [0, 1], and it has not finished.
+Where each rank is (from the c10d store):
+  rank 0 (this rank): blocked in it
+  rank 1: MISSING, issued only #0-#16 on this group; not in an fsdp2 collective (busy elsewhere, finished or raised); last seen N s ago issuing reduce-scatter #16 for `<root>` (36 elements, float32) [published N s ago]
+A rank MISSING from it skipped that module (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs or shapes), raised, or never started the step. A rank on a DIFFERENT collective got out of step earlier: collectives pair up by order, not by module, so earlier ones may have exchanged wrong data. The process group is unusable now (a collective is half done): abort the job on every rank. (Collective checks are on: the ranks agreed on every collective before this one.)""",
+        )
+        self.assertEqual(rank1, "skipped step 1")
+
+    def test_eval_forward_on_rank0(self) -> None:
+        rank0, rank1 = _outcomes("eval_on_rank0", checks=True)
+        self.assertEqual(rank0, rank1)
+        self.assertExpectedInline(
+            rank0,
+            """\
+CollectiveMismatchError: fsdp2: the ranks of the process group of ranks [0, 1] were about to issue different collectives (FSDP2_CHECK_COLLECTIVES):
+  rank 0: all-gather #6 for `<root>` (18 elements, float32)
+  rank 1: all-gather #6 for `experts.1` (36 elements, float32)
+Likely cause: a module, or a whole forward, ran on some ranks only (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs or input shapes, an evaluation forward on rank 0 only). Fix: run every fully_shard module on every rank each step (e.g. call an unused expert on an empty batch), or decide the control flow from facts every rank shares.
+Nothing was issued: every rank of the group raises this error.""",
+        )
+
+    def test_parameter_unused_on_rank1(self) -> None:
+        rank0, rank1 = _outcomes("unused_param", checks=True)
+        self.assertEqual(rank0, rank1)
+        self.assertExpectedInline(
+            rank0,
+            """\
+CollectiveMismatchError: fsdp2: the ranks of the process group of ranks [0, 1] were about to issue different collectives (FSDP2_CHECK_COLLECTIVES):
+  rank 0: reduce-scatter #8 for `gated` (144 elements, float32)
+  rank 1: reduce-scatter #8 for `gated` (72 elements, float32)
+Likely cause: some parameters of this module got no gradient on some ranks (a branch inside it not taken). Fix: module.set_reduce_scatter_unused_params(True) reduces zeros for them, or use every parameter on every rank.
+Nothing was issued: every rank of the group raises this error.""",
+        )
+
+    def test_unused_parameters_reduced_as_zeros(self) -> None:
+        assert _outcomes("unused_param_fixed", checks=True) == ["finished the step"] * 2
+
+
+def test_mismatch_causes() -> None:
+    """The causes the report names for disagreements the scenarios above do not reach."""
+    from fsdp2.checks import _cause
+
+    def row(op: str, numel: int = 36, dtype: str = "float32") -> dict[str, object]:
+        return {"op": op, "label": "blocks.1", "numel": numel, "dtype": dtype, "seq": 3}
+
+    found = {
+        "forward vs backward": _cause([row("all_gather"), row("reduce_scatter")]),
+        "parameter dtypes": _cause([row("all_gather"), row("all_gather", dtype="bfloat16")]),
+        "parameter shapes": _cause([row("all_gather"), row("all_gather", numel=40)]),
+    }
+    assert (
+        "some ranks are in forward (all-gather) while others are in backward"
+        in found["forward vs backward"]
+    )
+    assert "the module's parameters differ between ranks" in found["parameter dtypes"]
+    assert "the module's parameters differ between ranks" in found["parameter shapes"]
+
+
+def _compare_runs() -> dict[str, Any]:
+    off, on = train(checks=False), train(checks=True)
+    return {"off": off, "on": on}
+
+
+def test_checks_change_no_numbers_and_cost_nothing_when_off() -> None:
+    for rank, runs in enumerate(run_on_ranks(2, _compare_runs)):
+        off, on = runs["off"], runs["on"]
+        # The fingerprints never touch the model's tensors: the same ops on the same values.
+        for step, (a, b) in enumerate(zip(off["losses"], on["losses"], strict=True)):
+            assert torch.equal(a, b), f"rank {rank} step {step}: {a.item()} vs {b.item()}"
+        real = sum(off["records"].values())
+        assert real > 0 and "check" not in off["records"], off["records"]
+        # Checks off: exactly the recorded collectives reach torch.distributed, nothing more.
+        assert off["calls"] == real, (off["calls"], off["records"])
+        # Checks on: one fingerprint all-gather before each of them.
+        assert on["records"] == off["records"] + Counter(check=real), on["records"]
+        assert on["calls"] == 2 * real, (on["calls"], on["records"])
