@@ -206,6 +206,9 @@ def train(checks: bool, steps: int = 3) -> dict[str, Any]:
 
         return call
 
+    # Built first: fully_shard's own exchange (every rank agrees on the model) is not a step's.
+    model = build()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
     patched = {
         (collectives, "_all_gather_single"): collectives._all_gather_single,
         (collectives, "_reduce_scatter_single"): collectives._reduce_scatter_single,
@@ -215,8 +218,6 @@ def train(checks: bool, steps: int = 3) -> dict[str, Any]:
         setattr(module, name, counting(name, fn))
     fsdp2.set_collective_checks(checks)
     try:
-        model = build()
-        optim = torch.optim.SGD(model.parameters(), lr=0.1)
         losses = []
         with collectives.record_collectives() as records:
             for step in range(steps):
