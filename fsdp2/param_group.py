@@ -160,6 +160,8 @@ class FSDPParamGroup(GradientReduction):
         self.custom_reduce_scatter: ReduceScatter | None = None
         self.reduce_scatter_group: dist.ProcessGroup | None = None  # None: the shard group
         self.max_in_flight = 1  # reduce-scatters (and their input buffers) alive at once
+        # Gather the next group ahead of need: None decides by device ([Note: prefetch order]).
+        self.guess_prefetch: bool | None = None
         self.requires_all_reduce = True  # only meaningful with a replicate axis (HSDP)
         self.stale = False  # some parameters replaced, not yet re-packed (see rebuild)
         # Some rank had parameters on meta at fully_shard: lazy init checks (agreement.py).
@@ -493,6 +495,13 @@ class FSDPParamGroup(GradientReduction):
             flat.untyped_storage().resize_(0)
         for fsdp_param in self.ext_params:
             extension.free(fsdp_param)
+
+    def guesses_prefetch(self) -> bool:
+        """Whether hooks gather this group ahead of need from the recorded order: only where
+        collectives run beside compute (an accelerator's streams), unless told otherwise."""
+        if self.guess_prefetch is None:
+            return self.device.type != "cpu"
+        return self.guess_prefetch
 
     @property
     def unshard_pending(self) -> bool:

@@ -11,13 +11,16 @@ in that iteration; when the root's forward ends the recording becomes ``forward_
 backward a group prefetches the group before it (the root prefetches the last one, whose
 gradients arrive first), so that gather overlaps its backward compute. A wrong guess costs
 memory, never correctness: anything gathered and unused is freed at the end of backward.
-Forward does not guess (as in torch): where the next module may not run (control flow), a
-guessed gather would be a wasted collective, and on CPU ranks it measured slower (784 vs 958 ms
-per step, GPT at 2 ranks); ``set_modules_to_forward_prefetch`` asks for it explicitly.
-On CPU meshes backward does not guess either: compute and gloo share the same cores, so a
-prefetched gather overlaps nothing (49.1 vs 48.9 ms per step, GPT at 2 ranks) while its buffer
-raised peak memory by 2 MiB of 19 (the same model). Accelerators overlap for real, so there it
-stays on; ``set_modules_to_backward_prefetch`` works everywhere.
+On accelerators forward guesses too: each group, once gathered, starts the gather of the group
+that followed it in the last forward, before its own kernels are queued. An asynchronous NCCL
+collective waits for everything already queued on the compute stream when it is issued, so a
+gather issued at the next module's own pre-forward could only start once this module's compute
+is done: every forward gather would be exposed (torch hides it with side streams; we need none,
+see docs/accelerators.md). On CPU meshes neither direction guesses: compute and gloo share the
+same cores, so a prefetched gather overlaps nothing (forward: 784 vs 958 ms per step, GPT at 2
+ranks; backward: 49.1 vs 48.9 ms) while its buffer raised peak memory by 2 MiB of 19 (the same
+model). ``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch`` replace the
+guess everywhere; ``FSDPParamGroup.guess_prefetch`` overrides the choice by device.
 """
 
 from __future__ import annotations
@@ -297,7 +300,23 @@ class FSDPState:
         if self.forward_prefetch is not None:
             for target in self.forward_prefetch:
                 target.unshard()
+        else:
+            for group in self.groups:
+                self._prefetch_after(group, ctx)
         return args, kwargs
+
+    def _prefetch_after(self, group: FSDPParamGroup, ctx: IterContext) -> None:
+        """On accelerators, start gathering the group that ran after ``group`` in the last
+        forward, before this module's kernels are queued (see [Note: prefetch order])."""
+        if not group.guesses_prefetch():
+            return
+        order = ctx.forward_order
+        index = group.order_index
+        if index + 1 < len(order) and order[index] is group:
+            following = order[index + 1]
+            if following.seen_in != ctx.iteration:  # not run yet in this forward
+                take_up_changes(following)  # what its own pre-forward would do first
+                following.unshard()
 
     @_disable_dynamo
     def post_forward(self, output: Any, module: object = None) -> Any:
@@ -390,7 +409,7 @@ class FSDPState:
             self._prefetch_before(group, ctx)
 
     def _prefetch_before(self, group: FSDPParamGroup, ctx: IterContext) -> None:
-        if group.device.type == "cpu":
+        if not group.guesses_prefetch():
             return  # see [Note: prefetch order]
         order = ctx.forward_order
         if group.seen_in == ctx.iteration and order and order[group.order_index] is group:
