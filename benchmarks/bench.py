@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 benchmarks/bench.py --model mlp-stack
     python benchmarks/bench.py                          # W=1: per-module overhead only
+    python benchmarks/bench.py --device cuda            # NCCL; W GPUs with torchrun
 
 Every contender trains the same model from the same init on the same global batch (AdamW):
   fsdp2   fsdp2.fully_shard on each block, then on the root
@@ -36,7 +37,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fsdp2 from this checkout
-from measure import CommCounter, CommCounts, CPUMemory, timed
+from measure import CommCounter, CommCounts, CPUMemory, exposed_comm_ms, timed
 from workloads import DEFAULT_SIZES, MODELS, blocks_of, build_model, make_batch, param_bytes
 
 try:
@@ -68,6 +69,9 @@ parser.add_argument("--json", type=Path, help="append one JSON line with all res
 parser.add_argument(
     "--collective-checks", action="store_true", help="also time fsdp2 with collective checks on"
 )
+parser.add_argument(
+    "--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo; cuda: NCCL (%(default)s)"
+)
 args = parser.parse_args()
 
 overrides = {k: v for k in ("layers", "dim", "heads", "seq") if (v := getattr(args, k))}
@@ -83,10 +87,14 @@ if args.rounds < 5:
 # ---------------------------------------------------------------------------------------------
 # process group, data
 
+backend = "nccl" if args.device == "cuda" else "gloo"
+if args.device == "cuda":
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else None
 if "RANK" in os.environ:
-    dist.init_process_group("gloo")
+    dist.init_process_group(backend)
 else:  # plain `python benchmarks/bench.py`: one rank, as with --nproc-per-node 1
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 rank, world_size = dist.get_rank(), dist.get_world_size()
 # One thread per rank, also at W=1: these ops are too small for intra-op threads to pay, and on a
 # busy 2-core machine idle OpenMP threads spin against the ranks (W=1 with 2 threads: 10× slower).
@@ -96,6 +104,8 @@ if args.batch % world_size:
 inputs, targets = make_batch(args.model, size, args.batch)
 local = slice(rank * args.batch // world_size, (rank + 1) * args.batch // world_size)
 inputs, targets = inputs[local], targets[local]  # every contender sees this rank's slice
+if device is not None:
+    inputs, targets = inputs.to(device), targets.to(device)
 
 if "fsdp2" in names and fsdp2_fully_shard is None:
     names = [n for n in names if not n.startswith("fsdp2")]
@@ -104,7 +114,7 @@ if "fsdp2" in names and fsdp2_fully_shard is None:
 if "torch" in names:
     names.append("torch#2")  # a second torch, built separately: torch vs torch is the noise floor
 # Compile the allocator counter now, not after a minute of timing (g++, ~15 s the first time).
-cpu_memory = None if args.no_memory else CPUMemory()
+cpu_memory = None if args.no_memory or device is not None else CPUMemory()
 
 # ---------------------------------------------------------------------------------------------
 # contenders
@@ -115,12 +125,14 @@ class Contender:
     name: str
     model: nn.Module
     opt: torch.optim.Optimizer
-    loss: float = float("nan")
+    loss: torch.Tensor | None = None  # the last step's; read at the end (.item() would sync)
 
 
 def build(name: str) -> Contender:
     torch.manual_seed(0)  # same init for every contender
     model = build_model(args.model, size)
+    if device is not None:
+        model = model.to(device)
     if name in ("fsdp2", "fsdp2+checks", "torch", "torch#2"):
         shard = fsdp2_fully_shard if name.startswith("fsdp2") else torch_fully_shard
         for block in blocks_of(model):
@@ -142,7 +154,7 @@ def train_step(c: Contender) -> None:
     loss.backward()
     c.opt.step()
     c.opt.zero_grad(set_to_none=True)
-    c.loss = loss.item()
+    c.loss = loss.detach()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,7 +181,8 @@ def fsdp_collectives_alone() -> Callable[[], None] | None:
         return sum(-(-p.shape[0] // world_size) * p[0].numel() if p.dim() else 1 for p in params)
 
     bufs = [
-        (torch.empty(n), torch.empty(n * world_size)) for n in map(shard_numel, [root, *blocks])
+        (torch.empty(n, device=device), torch.empty(n * world_size, device=device))
+        for n in map(shard_numel, [root, *blocks])
     ]
 
     def step() -> None:
@@ -200,7 +213,8 @@ for _ in range(args.rounds):
         for _ in range(args.settle):
             comm_alone()
         comm_alone_s.append(timed(comm_alone, args.steps))
-losses = {c.name: c.loss for c in contenders}  # same steps taken: fsdp2, torch and ddp agree
+# same steps taken: fsdp2, torch and ddp agree
+losses = {c.name: float(c.loss) if c.loss is not None else float("nan") for c in contenders}
 load_after = os.getloadavg()[0]
 
 # ---------------------------------------------------------------------------------------------
@@ -211,6 +225,11 @@ for c in contenders:
     with CommCounter(world_size) as counter:
         train_step(c)
     comms[c.name] = counter.counts
+# On a GPU: collective kernel time not hidden behind any other kernel, from one profiled step.
+exposed: dict[str, tuple[float, float]] = {}
+if device is not None:
+    for c in contenders:
+        exposed[c.name] = exposed_comm_ms(lambda c=c: train_step(c))
 del contenders, c
 
 # ---------------------------------------------------------------------------------------------
@@ -230,7 +249,26 @@ def measure_memory(name: str, mem: CPUMemory) -> tuple[int, int]:
     return mem.peak_bytes() - base, state
 
 
+def measure_cuda_memory(name: str) -> tuple[int, int]:
+    """As measure_memory, from the CUDA caching allocator's own counters."""
+    gc.collect()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    c = build(name)
+    for _ in range(2):
+        train_step(c)
+    torch.cuda.synchronize()
+    state = torch.cuda.memory_allocated() - base
+    torch.cuda.reset_peak_memory_stats()
+    train_step(c)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base, state
+
+
 memory: dict[str, tuple[int, int]] = {}
+if device is not None and not args.no_memory:
+    measure_cuda_memory("single")  # throwaway: cuBLAS workspaces and the like land here
+    memory = {n: measure_cuda_memory(n) for n in names if n != "torch#2"}
 if cpu_memory is not None:
     with cpu_memory:
         measure_memory("single", cpu_memory)  # throwaway: first-use allocations land here
@@ -240,7 +278,9 @@ if cpu_memory is not None:
 # gather to rank 0: a step lasts as long as its slowest rank; memory is kept per rank
 
 per_rank: list[dict[str, dict]] = [{}] * world_size
-dist.all_gather_object(per_rank, {"step_s": step_s, "memory": memory, "comm_s": comm_alone_s})
+dist.all_gather_object(
+    per_rank, {"step_s": step_s, "memory": memory, "comm_s": comm_alone_s, "exposed": exposed}
+)
 
 
 def leave() -> NoReturn:
@@ -321,7 +361,7 @@ def vs(value: float | None, ref: float | None, unit: str = "×") -> str:
 torch_ref = results.get("torch")
 title = (
     f"{args.model}: {total_bytes / MiB:.2f} MiB fp32 params in {len(blocks_of(plain))} blocks + "
-    f"root, global batch {args.batch}, W={world_size} (gloo), {torch.get_num_threads()} "
+    f"root, global batch {args.batch}, W={world_size} ({backend}), {torch.get_num_threads()} "
     f"thread(s)/rank, torch {torch.__version__}"
 )
 table = Table(title=title)
@@ -363,6 +403,13 @@ if comm_alone_s:
     )
 cores = len(os.sched_getaffinity(0))
 console.print(f"load average while timing: {load_before:.1f} → {load_after:.1f} on {cores} cores")
+if exposed:
+    listed = ", ".join(
+        f"{label(n)} {max(r['exposed'][n][0] for r in per_rank):.2f}"
+        f" of {max(r['exposed'][n][1] for r in per_rank):.2f}"
+        for n in names
+    )
+    console.print(f"exposed / total collective kernel ms in one profiled step (max rank): {listed}")
 # Parity: the sharded contenders and DDP trained the same model on the same batches.
 same = {n: r.loss for n, r in results.items() if n != "single"}
 if same:
@@ -382,6 +429,8 @@ if args.json:
         "load_average": [load_before, load_after],
         "param_bytes": total_bytes,
         "results": {n: asdict(r) | {"peak_bytes": r.peak_bytes} for n, r in results.items()},
+        "device": args.device,
+        "exposed_comm_ms": [r["exposed"] for r in per_rank],
     }
     with args.json.open("a") as f:
         f.write(json.dumps(record) + "\n")

@@ -149,13 +149,68 @@ class CPUMemory:
         self._ext.reset_peak()
 
 
+def _sync() -> None:
+    """Wait for queued GPU work (no-op on CPU); a barrier alone does not wait for kernels."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def timed(fn: Callable[[], Any], steps: int) -> float:
     """Seconds per call of `fn`, bracketed by barriers so every rank times the same collective work."""
+    _sync()
     if dist.is_initialized():
         dist.barrier()
+    _sync()
     t0 = time.perf_counter()
     for _ in range(steps):
         fn()
+    _sync()
     if dist.is_initialized():
         dist.barrier()
+    _sync()
     return (time.perf_counter() - t0) / steps
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total length where two sorted, disjoint span lists intersect."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def exposed_comm_ms(fn: Callable[[], Any]) -> tuple[float, float]:
+    """(exposed, total) ms of collective kernels in one call of `fn` on a GPU, from the profiler's
+    kernel timeline: a collective kernel's time is exposed where no other kernel (compute,
+    copies) runs at the same time, i.e. where the GPU does nothing but communicate. Same for any
+    implementation: it looks only at kernels. (0, 0) if the profiler saw no GPU kernels."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        _sync()
+    comm, other = [], []
+    for event in prof.events():
+        if event.device_type != DeviceType.CUDA:
+            continue
+        span = (float(event.time_range.start), float(event.time_range.end))  # µs
+        (comm if "nccl" in event.name.lower() else other).append(span)
+    comm_u, other_u = _union(comm), _union(other)
+    total = sum(end - start for start, end in comm_u)
+    return (total - _overlap(comm_u, other_u)) / 1e3, total / 1e3
