@@ -97,8 +97,11 @@ def _replacement(fsdp_param: FSDPParam) -> nn.Parameter | None:
     """The parameter now in ``fsdp_param``'s slots if it replaced the sharded one (``None`` if
     not), checked to be laid out as the one it replaces."""
     old = cast(DTensor, fsdp_param.sharded_param)
-    held = [params.get(name) for params, name in fsdp_param.slots]
-    if all(p is fsdp_param.sharded_param for p in held):
+    slots = fsdp_param.slots
+    if len(slots) == 1 and slots[0][0].get(slots[0][1]) is old:
+        return None  # the common case, checked at every forward: not replaced
+    held = [params.get(name) for params, name in slots]
+    if all(p is old for p in held):
         return None
     new = held[0]
     if any(p is not new for p in held):

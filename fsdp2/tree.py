@@ -30,9 +30,35 @@ def _opaque_dataclass(obj: Any) -> bool:
 
 
 def tensors_in(tree: Any) -> list[torch.Tensor]:
-    """Every tensor in ``tree``, in traversal order."""
+    """Every tensor in ``tree``, in traversal order (pytree's: sequences in order, a dict's
+    values in insertion order)."""
     if isinstance(tree, torch.Tensor):
         return [tree]
+    found: list[torch.Tensor] = []
+    _walk_builtin(tree, found)
+    return found
+
+
+def _walk_builtin(tree: Any, found: list[torch.Tensor]) -> None:
+    """The common case, run at every forward call: plain tuples, lists and dicts walked here.
+    ``tree_flatten`` costs ~10x more per call, and its recursive closure leaves a reference
+    cycle per call for the garbage collector (~700 objects per step with 96 sharded blocks)."""
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        for item in tree:
+            _walk_builtin(item, found)
+    elif kind is dict:
+        for item in tree.values():
+            _walk_builtin(item, found)
+    elif isinstance(tree, torch.Tensor):
+        found.append(tree)
+    elif (
+        isinstance(tree, (tuple, list, dict)) or kind in SUPPORTED_NODES or _opaque_dataclass(tree)
+    ):
+        found.extend(_tensors_in_pytree(tree))  # namedtuples, OrderedDicts, dataclasses, ...
+
+
+def _tensors_in_pytree(tree: Any) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
     for leaf in tree_flatten(tree, is_leaf=_opaque_dataclass)[0]:
         if isinstance(leaf, torch.Tensor):
