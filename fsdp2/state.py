@@ -300,7 +300,7 @@ class FSDPState:
         if self.forward_prefetch is not None:
             for target in self.forward_prefetch:
                 target.unshard()
-        else:
+        elif not recompute:  # a checkpoint's recompute runs in backward's order, not forward's
             for group in self.groups:
                 self._prefetch_after(group, ctx)
         return args, kwargs
