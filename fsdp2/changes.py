@@ -96,13 +96,14 @@ def _adopt_replaced(group: FSDPParamGroup) -> None:
 def _replacement(fsdp_param: FSDPParam) -> nn.Parameter | None:
     """The parameter now in ``fsdp_param``'s slots if it replaced the sharded one (``None`` if
     not), checked to be laid out as the one it replaces."""
-    old = cast(DTensor, fsdp_param.sharded_param)
+    current = fsdp_param.sharded_param
     slots = fsdp_param.slots
-    if len(slots) == 1 and slots[0][0].get(slots[0][1]) is old:
+    if len(slots) == 1 and slots[0][0].get(slots[0][1]) is current:
         return None  # the common case, checked at every forward: not replaced
     held = [params.get(name) for params, name in slots]
-    if all(p is old for p in held):
+    if all(p is current for p in held):
         return None
+    old = cast(DTensor, current)
     new = held[0]
     if any(p is not new for p in held):
         raise ValueError(
