@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -80,8 +81,12 @@ def _spawn(world: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
         ctx = mp.start_processes(
             _rank_main, (fn, world, tmp, args), nprocs=world, start_method="spawn", join=False
         )
-        while not ctx.join(timeout=_TIMEOUT_S):
-            pass
+        deadline = time.monotonic() + _TIMEOUT_S
+        while not ctx.join(timeout=5):
+            if time.monotonic() > deadline:
+                for proc in ctx.processes:
+                    proc.kill()
+                raise TimeoutError(f"{fn.__name__} on {world} GPU ranks: over {_TIMEOUT_S} s")
         results = []
         for rank in range(world):
             with open(os.path.join(tmp, f"rank{rank}.json")) as f:
