@@ -122,7 +122,7 @@ def watch(
 ) -> threading.Event | None:
     """Right after issuing a reduce-scatter: start waiting for it in ``group``'s helper thread
     (see :class:`_Waiter`), so that by the time fsdp2 waits for it the answer is usually there."""
-    if device.type == "cuda":
+    if device.type != "cpu":  # an accelerator: wait() only orders streams, never blocks
         return None
     waiter = _waiters.get(group)
     if waiter is None:
@@ -139,7 +139,7 @@ def wait(
 ) -> None:
     """``work.wait()``, bounded by the deadline where the host blocks (not on CUDA). ``done``:
     from :func:`watch`, for a work that ignores ``wait()``'s timeout."""
-    if device.type == "cuda":
+    if device.type != "cpu":  # an accelerator: wait() only orders streams, never blocks
         work.wait()
         return
     if done is not None and done.is_set():
