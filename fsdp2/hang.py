@@ -215,6 +215,9 @@ class _Waiter:
             except Exception:  # the caller's own wait() raises it
                 pass
             done.set()
+            # Drop it now, not at the next get(): a finished gloo work still holds its buffers
+            # (a whole-input copy for reduce-scatter), which would stay alive between steps.
+            del work, done
 
 
 _waiters: dict[dist.ProcessGroup, _Waiter] = {}
