@@ -47,7 +47,10 @@ def _run(model: str, world: int) -> str:
     return out
 
 
-@pytest.mark.parametrize(("model", "world"), [("gpt", 2), ("llama", 1)])
+@pytest.mark.parametrize(
+    ("model", "world"),
+    [("gpt", 1), ("gpt", 2), ("gpt", 4), ("llama", 1), ("llama", 2), ("llama", 4)],
+)
 def test_plan_predicts_measured_memory(model: str, world: int) -> None:
     out = _run(model, world)
     lines = [r"^held: measured (\d+) B vs planned (\d+) B \+ (\d+) B"]
