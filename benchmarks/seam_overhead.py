@@ -46,21 +46,21 @@ local = slice(rank * args.batch // world, (rank + 1) * args.batch // world)
 inputs, targets = inputs[local], targets[local]
 
 
-def plain_wait(work: Any, event: Any, device: Any, phase: str = "", done: Any = None) -> None:
+def plain_wait(work: Any, event: Any, device: Any, phase: str = "") -> None:
     work.wait()
 
 
 @contextmanager
 def mode(name: str) -> Iterator[None]:
-    saved = hang.note, hang.wait, hang.watch
+    saved = hang.note, hang.wait
     if name == "bare":
         hang.note = lambda *a: None  # type: ignore[assignment,return-value]
-        hang.wait, hang.watch = plain_wait, lambda work, group, device: None
+        hang.wait = plain_wait  # type: ignore[assignment]
     fsdp2.set_collective_checks(name == "checks")
     try:
         yield
     finally:
-        hang.note, hang.wait, hang.watch = saved
+        hang.note, hang.wait = saved
         fsdp2.set_collective_checks(False)
 
 

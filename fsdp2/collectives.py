@@ -9,7 +9,6 @@ benchmarks sum bytes).
 from __future__ import annotations
 
 import math
-import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -95,29 +94,35 @@ def _record(
 
 class Pending:
     """An issued collective; ``wait()`` returns once its output may be read (or raises the hang
-    report after ``FSDP2_COLLECTIVE_TIMEOUT`` seconds: see [Note: the hang report])."""
+    report after ``FSDP2_COLLECTIVE_TIMEOUT`` seconds: see [Note: the hang report]).
+    ``then``: a copy ``(dst, src)`` to make once the collective finished (see
+    :func:`reduce_scatter` on gloo)."""
 
-    __slots__ = ("_device", "_done", "_event", "_work")
+    __slots__ = ("_device", "_event", "_then", "_work")
 
     def __init__(
         self,
         work: dist.Work | None,
         event: hang.Event | None = None,
         device: torch.device | None = None,
-        done: threading.Event | None = None,
+        then: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         self._work = work
         self._event = event
         self._device = device
-        self._done = done  # set by the hang report's helper thread once ``work`` finished
+        self._then = then
 
     def wait(self) -> None:
         if self._work is not None:
             if self._event is None or self._device is None:
                 self._work.wait()
             else:
-                hang.wait(self._work, self._event, self._device, done=self._done)
+                hang.wait(self._work, self._event, self._device)
             self._work = None
+            if self._then is not None:
+                dst, src = self._then
+                dst.copy_(src)
+                self._then = None
 
     def done(self) -> bool:
         """Whether ``wait()`` would return at once (never blocks)."""
@@ -359,12 +364,39 @@ def reduce_scatter(
     """Reduce ``inp`` (rank-major chunks) over ranks; this rank's chunk lands in ``out``."""
     event = _note("reduce_scatter", label, inp, out, group)
     if comm is not None:
-        work = comm(out, inp, group, op, async_op=True)
-    else:
-        work = _reduce_scatter_single(out, inp, op=op, group=group, async_op=True)
-    # gloo's reduce-scatter ignores wait()'s timeout: a helper thread waits for it instead.
-    done = None if work is None else hang.watch(work, group, inp.device)
-    return Pending(work, event, inp.device, done)
+        return Pending(comm(out, inp, group, op, async_op=True), event, inp.device)
+    if _is_gloo(group, inp.device):
+        # gloo's reduce-scatter is an all-reduce of a clone of ``inp`` and a copy of this rank's
+        # chunk when waited on; its work ignores wait()'s timeout and never reports is_completed().
+        # ``inp`` is our own scratch buffer: all-reduce it in place (the same algorithm on the
+        # same bytes, so bitwise the same result) with a work that honours both, and no clone.
+        global all_reduce_for_reduce_scatter
+        all_reduce_for_reduce_scatter = True  # c10d sees an all-reduce: lets tests tell
+        try:
+            work = dist.all_reduce(inp, op=op, group=group, async_op=True)
+        finally:
+            all_reduce_for_reduce_scatter = False
+        chunk = inp.view(group.size(), -1)[group.rank()]
+        return Pending(work, event, inp.device, then=(out, chunk))
+    work = _reduce_scatter_single(out, inp, op=op, group=group, async_op=True)
+    return Pending(work, event, inp.device)
+
+
+all_reduce_for_reduce_scatter = False  # True while issuing such an all-reduce
+_gloo_groups: dict[tuple[dist.ProcessGroup, str], bool] = {}
+
+
+def _is_gloo(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether ``group`` runs collectives on ``device`` with gloo (cached: asked per collective)."""
+    key = (group, device.type)
+    known = _gloo_groups.get(key)
+    if known is None:
+        try:
+            backend = group._get_backend(device)
+        except Exception:  # no backend for that device (a fake or custom group)
+            backend = None
+        known = _gloo_groups[key] = isinstance(backend, dist.ProcessGroupGloo)
+    return known
 
 
 def all_reduce(

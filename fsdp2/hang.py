@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import threading
 import time
 from collections import deque
@@ -41,7 +40,6 @@ __all__ = [
     "note",
     "timeout_s",
     "wait",
-    "watch",
 ]
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -117,47 +115,18 @@ def note(op: str, label: str, tensor: torch.Tensor, group: dist.ProcessGroup) ->
     return event
 
 
-def watch(
-    work: dist.Work, group: dist.ProcessGroup, device: torch.device
-) -> threading.Event | None:
-    """Right after issuing a reduce-scatter: start waiting for it in ``group``'s helper thread
-    (see :class:`_Waiter`), so that by the time fsdp2 waits for it the answer is usually there."""
-    if device.type != "cpu":  # an accelerator: wait() only orders streams, never blocks
-        return None
-    waiter = _waiters.get(group)
-    if waiter is None:
-        waiter = _waiters[group] = _Waiter()
-    return waiter.watch(work)
-
-
-def wait(
-    work: dist.Work,
-    event: Event,
-    device: torch.device,
-    phase: str = "",
-    done: threading.Event | None = None,
-) -> None:
-    """``work.wait()``, bounded by the deadline where the host blocks (not on CUDA). ``done``:
-    from :func:`watch`, for a work that ignores ``wait()``'s timeout."""
+def wait(work: dist.Work, event: Event, device: torch.device, phase: str = "") -> None:
+    """``work.wait()``, bounded by the deadline where the host blocks (not on CUDA)."""
     if device.type != "cpu":  # an accelerator: wait() only orders streams, never blocks
         work.wait()
-        return
-    if done is not None and done.is_set():
-        work.wait()  # returns at once, or raises the backend's error
         return
     global _waiting
     _waiting = (event, time.time())
     try:
-        if done is not None:
-            finished = done.wait(timeout_s())
-        else:
-            finished = _wait_with_timeout(work)
-        if not finished:
-            _waiters.pop(event.group, None)  # its helper may be stuck in this group for good
+        if not _wait_with_timeout(work):
             _publish()
             time.sleep(_interval())  # the peers' publishers catch up with their latest state
             raise CollectiveTimeoutError(_report(event, phase))
-        work.wait()
     finally:
         _waiting = None
 
@@ -170,57 +139,6 @@ def _wait_with_timeout(work: dist.Work) -> bool:
             return False
         raise
     return True
-
-
-class _Waiter:
-    """A helper thread that waits on one process group's works in the order they were issued.
-
-    gloo's reduce-scatter ignores ``wait(timeout=...)`` and never reports ``is_completed()``
-    before ``wait()`` either (all-gather and all-reduce honour the timeout), so the only bounded
-    wait for it is a blocking one in another thread. It starts when the collective is issued,
-    off the critical path: fsdp2 waits for a reduce-scatter well after issuing it. One thread
-    per group, since a group's collectives finish in the order they were issued, but another
-    group's need not. After a timeout in a group its thread, possibly stuck for good, is
-    abandoned (the group is broken anyway); a new group gets a new one.
-    """
-
-    _IDLE_S = 30.0  # an idle thread exits (processes that make many groups keep few threads)
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[dist.Work, threading.Event]] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._running = False
-
-    def watch(self, work: dist.Work) -> threading.Event:
-        done = threading.Event()
-        with self._lock:  # the thread checks the queue under it before exiting
-            self._queue.put((work, done))
-            if not self._running:
-                self._running = True
-                threading.Thread(target=self._run, name="fsdp2-wait", daemon=True).start()
-        return done
-
-    def _run(self) -> None:
-        while True:
-            try:
-                work, done = self._queue.get(timeout=self._IDLE_S)
-            except queue.Empty:
-                with self._lock:
-                    if self._queue.empty():
-                        self._running = False
-                        return
-                continue
-            try:
-                work.wait()
-            except Exception:  # the caller's own wait() raises it
-                pass
-            done.set()
-            # Drop it now, not at the next get(): a finished gloo work still holds its buffers
-            # (a whole-input copy for reduce-scatter), which would stay alive between steps.
-            del work, done
-
-
-_waiters: dict[dist.ProcessGroup, _Waiter] = {}
 
 
 # ---------------------------------------------------------------------------------------------

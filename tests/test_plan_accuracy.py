@@ -6,7 +6,7 @@ peak as backward begins are what separate the two).
 The counter is a small C++ extension (benchmarks/cpu_memory.cpp) built on first use: without a
 C++ toolchain (compiler, Python headers, ninja) these tests skip. They also catch memory that
 fsdp2 keeps alive by accident between steps, which the planner does not predict: a finished gloo
-reduce-scatter kept referenced by the hang report's waiter held a whole-input copy (67 KB here).
+reduce-scatter kept referenced by a helper thread once held a whole-input copy (67 KB here).
 """
 
 from __future__ import annotations
