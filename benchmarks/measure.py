@@ -13,6 +13,7 @@ Both work below any FSDP implementation, so fsdp2, torch's FSDP2 and DDP are mea
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -83,6 +84,11 @@ class CommCounts:
     wire: float = 0.0  # bytes received per rank (ring algorithm)
 
 
+def _fsdp2_reduce_scatter_on_gloo() -> bool:
+    collectives = sys.modules.get("fsdp2.collectives")
+    return bool(getattr(collectives, "all_reduce_for_reduce_scatter", False))
+
+
 class CommCounter(TorchDispatchMode):
     """Counts collectives and their bytes, whatever issues them (FSDP, DDP, DTensor, funcol)."""
 
@@ -97,6 +103,10 @@ class CommCounter(TorchDispatchMode):
         namespace, name = func.namespace, func.overloadpacket.__name__
         if namespace in ("c10d", "_c10d_functional", "c10d_functional") and name not in _IGNORED:
             kind = _KINDS.get(name, "other")
+            if kind == "all_reduce" and _fsdp2_reduce_scatter_on_gloo():
+                # gloo's reduce-scatter is an all-reduce of a clone of its input; fsdp2 issues
+                # that all-reduce itself, in place: count it as the reduce-scatter it stands for.
+                kind = "reduce_scatter"
             payload = _payload_bytes(kind, namespace != "c10d", args)
             self.counts.calls[kind] += 1
             self.counts.payload[kind] += payload

@@ -7,6 +7,7 @@ round, so the machine's load hits them alike:
   bare    the hang report's hooks patched out (no event ring, plain ``work.wait()``)
   fsdp2   the default: event ring, bounded waits, publishing thread
   checks  the default plus FSDP2_CHECK_COLLECTIVES (one fingerprint all-gather per collective)
+  bare again  a second bare copy: its distance from the first is the noise floor
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def plain_wait(work: Any, event: Any, device: Any, phase: str = "") -> None:
 @contextmanager
 def mode(name: str) -> Iterator[None]:
     saved = hang.note, hang.wait
-    if name == "bare":
+    if name.startswith("bare"):
         hang.note = lambda *a: None  # type: ignore[assignment,return-value]
         hang.wait = plain_wait  # type: ignore[assignment]
     fsdp2.set_collective_checks(name == "checks")
@@ -83,7 +84,7 @@ def make(name: str) -> Callable[[], float]:
     return step
 
 
-steps = {name: make(name) for name in ("bare", "fsdp2", "checks")}
+steps = {name: make(name) for name in ("bare", "fsdp2", "checks", "bare again")}
 ms: dict[str, list[float]] = {name: [] for name in steps}
 losses: dict[str, float] = {}
 load_before = os.getloadavg()[0]
@@ -107,7 +108,7 @@ if rank == 0:
     for name, times in ms.items():
         med = statistics.median(times)
         print(
-            f"{name:7s} {med:8.1f} ms/step  best {min(times):8.1f}  {100 * (med / base - 1):+5.1f}%"
+            f"{name:10s} {med:8.1f} ms/step  best {min(times):8.1f}  {100 * (med / base - 1):+5.1f}%"
             f"  loss {losses[name]:.6f}"
         )
 dist.barrier()
