@@ -103,11 +103,11 @@ class CommCounter(TorchDispatchMode):
         namespace, name = func.namespace, func.overloadpacket.__name__
         if namespace in ("c10d", "_c10d_functional", "c10d_functional") and name not in _IGNORED:
             kind = _KINDS.get(name, "other")
+            payload = _payload_bytes(kind, namespace != "c10d", args)
             if kind == "all_reduce" and _fsdp2_reduce_scatter_on_gloo():
                 # gloo's reduce-scatter is an all-reduce of a clone of its input; fsdp2 issues
                 # that all-reduce itself, in place: count it as the reduce-scatter it stands for.
                 kind = "reduce_scatter"
-            payload = _payload_bytes(kind, namespace != "c10d", args)
             self.counts.calls[kind] += 1
             self.counts.payload[kind] += payload
             self.counts.wire += wire_bytes(kind, payload, self.world_size)
