@@ -9,6 +9,7 @@ benchmarks sum bytes).
 from __future__ import annotations
 
 import math
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -383,20 +384,26 @@ def reduce_scatter(
 
 
 all_reduce_for_reduce_scatter = False  # True while issuing such an all-reduce
-_gloo_groups: dict[tuple[dist.ProcessGroup, str], bool] = {}
+_GLOO = getattr(dist, "ProcessGroupGloo", None)  # absent from builds without gloo
+# Per process group (weakly: a destroyed group goes), per device type: whether gloo runs it.
+_gloo_groups: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[str, bool]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _is_gloo(group: dist.ProcessGroup, device: torch.device) -> bool:
     """Whether ``group`` runs collectives on ``device`` with gloo (cached: asked per collective)."""
-    key = (group, device.type)
-    known = _gloo_groups.get(key)
+    known = _gloo_groups.get(group)
     if known is None:
+        known = _gloo_groups[group] = {}
+    answer = known.get(device.type)
+    if answer is None:
         try:
             backend = group._get_backend(device)
         except Exception:  # no backend for that device (a fake or custom group)
             backend = None
-        known = _gloo_groups[key] = isinstance(backend, dist.ProcessGroupGloo)
-    return known
+        answer = known[device.type] = _GLOO is not None and isinstance(backend, _GLOO)
+    return answer
 
 
 def all_reduce(

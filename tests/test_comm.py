@@ -11,6 +11,7 @@ are validated against torch's FSDP2.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -251,3 +252,38 @@ def test_comm_debug_mode_matches_torch(
     if IMPL_UNDER_TEST != "torch":
         ours = _comm_mode_kinds(IMPL_UNDER_TEST, model, reshard_after_forward, step)
         assert ours == [_reduce_scatter_as_all_reduce(k) for k in torch_kinds]
+
+
+def _gloo_reduce_scatter_cases() -> dict[str, bool]:
+    """fsdp2's reduce-scatter on gloo (an in-place all-reduce of its own input) against gloo's
+    own ``reduce_scatter_single``, on the same inputs: bitwise, for odd sizes, fp32/bf16 and
+    SUM/AVG; and its work reports completion before ``wait()`` (gloo's own never does)."""
+    from fsdp2 import collectives
+
+    group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(rank)
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for numel in (1, 7, 4099):
+            for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+                inp = torch.randn(world * numel, generator=gen).to(dtype)
+                theirs = inp.new_empty(numel)
+                dist.reduce_scatter_single(theirs, inp.clone(), op=op, group=group)
+                ours = inp.new_empty(numel)
+                collectives.reduce_scatter(ours, inp.clone(), group, "t", op).wait()
+                results[f"{dtype} {numel} {op}"] = torch.equal(ours, theirs)
+    pending = collectives.reduce_scatter(
+        torch.empty(3), torch.ones(3 * world), group, "t", dist.ReduceOp.SUM
+    )
+    deadline = time.monotonic() + 20
+    while not pending.done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    results["reports completion"] = pending.done()
+    pending.wait()
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gloo_reduce_scatter_is_gloos_own_bitwise(world_size: int, fsdp2_only: None) -> None:
+    for rank, result in enumerate(run_on_ranks(world_size, _gloo_reduce_scatter_cases)):
+        assert all(result.values()), f"rank {rank}: {result}"
