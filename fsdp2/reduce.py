@@ -63,6 +63,15 @@ class PendingReduce:
         # free it once done, not whenever the backend drops its reference.
         self.free_input = free_input
 
+    def finished_locally(self) -> bool:
+        """Whether ``finish()`` would neither block nor issue a collective: only then may a
+        rank finish it at a moment of its own choosing (``IterContext.reap``). HSDP's all-reduce
+        over replicas, or a user's all-reduce hook, issued whenever one rank's reduce-scatter
+        happens to be done, would pair up with a different collective on its peers."""
+        if not self.pending.done():
+            return False
+        return self.out is None or not self.group.finish_communicates()
+
     def finish(self) -> list[tuple[FSDPParam, torch.Tensor]]:
         self.pending.wait()
         if self.out is None:  # one rank, nothing to reduce: the gradients are the shards
@@ -284,6 +293,11 @@ class GradientReduction:
             return grad.reshape(1).expand(self.world)
         return fsdp_param.rank_major(grad, self.world)
 
+    def finish_communicates(self) -> bool:
+        """Whether ``finish_reduce`` may issue collectives (HSDP's all-reduce, the user's hook)."""
+        replicated = self.info.replicate_group is not None and self.requires_all_reduce
+        return replicated or self.all_reduce_hook is not None
+
     def finish_reduce(
         self, out: torch.Tensor, params: list[FSDPParam], use_sum: bool
     ) -> list[tuple[FSDPParam, torch.Tensor]]:
@@ -320,7 +334,13 @@ class GradientReduction:
     ) -> list[tuple[FSDPParam, torch.Tensor]]:
         """With one rank and no replicas, each whole gradient is the shard: no copy, no cut."""
         device = self.sharded_flat.device
-        return [
-            (p, g.reshape(p.local_shape).to(device, p.dtype))
-            for p, g in zip(params, grads, strict=True)
-        ]
+        shards = []
+        for p, g in zip(params, grads, strict=True):
+            # Usually already the shard's shape, dtype and device: skip the calls (per step,
+            # per parameter, they were the largest single cost of a one-rank backward).
+            if g.shape != p.local_shape:
+                g = g.reshape(p.local_shape)
+            if g.dtype != p.dtype or g.device != device:
+                g = g.to(device, p.dtype)
+            shards.append((p, g))
+        return shards

@@ -128,8 +128,9 @@ class IterContext:
 
     def reap(self) -> None:
         """Finish the reduce-scatters that have completed, oldest first, without blocking: each
-        holds an input as large as its group's gradients until then."""
-        while self.in_flight and self.in_flight[0].pending.done():
+        holds an input as large as its group's gradients until then. Not those whose finish
+        issues a collective (HSDP): completion times differ between ranks."""
+        while self.in_flight and self.in_flight[0].finished_locally():
             self.reduced.extend(self.in_flight.popleft().finish())
 
     def end_of_backward(self) -> None:

@@ -65,6 +65,27 @@ def _experts_on_hsdp_mesh() -> dict[str, object]:
     }
 
 
+def _experts_with_rank0_always_done() -> dict[str, object]:
+    """Rank 0 sees every collective as done the moment it is issued (a fast rank), the others
+    never before they wait: a rank finishing its HSDP reduce-scatters early would issue their
+    all-reduce over replicas while its peer waits in a gather, and both would hang."""
+    import os
+
+    from fsdp2.collectives import Pending
+
+    os.environ["FSDP2_COLLECTIVE_TIMEOUT"] = "10"  # a regression ends in the hang report
+    if dist.get_rank() == 0:
+        Pending.done = lambda self: True  # type: ignore[method-assign]
+    return _experts_on_hsdp_mesh()
+
+
+def test_collectives_finished_early_only_where_that_issues_none() -> None:
+    """``IterContext.reap`` finishes a reduce-scatter as soon as it is done, which depends on
+    each rank's timing; finishing an HSDP one all-reduces over replicas: never early."""
+    counts = run_on_ranks(WORLD, _experts_with_rank0_always_done)[0]
+    assert counts["all_reduce"] == [("0", 2), ("1", 2)], counts
+
+
 def test_expert_parameters_form_a_group_on_their_own_mesh() -> None:
     counts = run_on_ranks(WORLD, _experts_on_hsdp_mesh)[0]
     # Each block: one gather per mesh in forward and again in backward; the expert group reduces
