@@ -37,6 +37,12 @@ parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.R
 parser.add_argument("--model", choices=MODELS, default="mlp-stack", help="(%(default)s)")
 parser.add_argument("--worlds", default="1,2", help="(%(default)s)")
 parser.add_argument("--rounds", type=int, default=60, help="(%(default)s)")
+parser.add_argument(
+    "--impl",
+    choices=("foreach", "fused"),
+    default="foreach",
+    help="AdamW's implementation (%(default)s)",
+)
 args = parser.parse_args()
 torch.set_num_threads(1)
 size = DEFAULT_SIZES[args.model]
@@ -50,7 +56,8 @@ def make(shard: Callable[..., object] | None) -> Callable[[], float]:
         for block in blocks_of(model):
             shard(block)
         shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    kwargs = {"fused": True} if args.impl == "fused" else {"foreach": True}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **kwargs)
     for _ in range(3):  # the AdamW state exists; gradients stay for the timed steps
         opt.zero_grad(set_to_none=True)
         _, loss = model(inputs, targets)
@@ -85,7 +92,10 @@ for world in [int(w) for w in args.worlds.split(",")]:
             step()  # settle after the switch
             times[name].append(step())
     base = statistics.median(times["torch"])
-    print(f"{args.model}, W={world}: opt.step() thread CPU ms, median of {args.rounds} rounds")
+    print(
+        f"{args.model}, W={world}, AdamW {args.impl}: opt.step() thread CPU ms, "
+        f"median of {args.rounds} rounds"
+    )
     for name, ts in times.items():
         med = statistics.median(ts)
         print(f"  {name:14s} {1e3 * med:8.2f}  {med / base:5.2f}× torch")
