@@ -9,7 +9,22 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 NO_ERROR = "no error"
+TRIPWIRE = "tripwire fired"
+
+
+class Tripwire(torch.autograd.Function):
+    """Forward: identity. Backward: raises, as a failing op in the middle of backward would."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError(f"{TRIPWIRE} in backward")
 
 
 def error_text(fn: Callable[[], Any]) -> str:

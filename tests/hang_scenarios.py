@@ -21,20 +21,10 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp2 import FSDPModule
+from tests.errors import Tripwire
 
 DIM, OUT, WINDOW = 8, 4, 4
 TIMEOUT_S = 1.5  # FSDP2_COLLECTIVE_TIMEOUT in these scenarios
-TRIPWIRE = "tripwire fired in backward"
-
-
-class Tripwire(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError(TRIPWIRE)
 
 
 class Gated(nn.Module):

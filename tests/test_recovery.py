@@ -21,24 +21,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from tests.errors import TRIPWIRE, Tripwire
 from tests.harness import IMPL_UNDER_TEST, run_on_ranks
 from tests.lockstep import Lockstep, close, count, full
 from tests.models import MLP_DIM, MLP_IN, MLP_OUT, Batch
 
 NUM_STEPS, FAIL_STEP = 4, 2
-TRIPWIRE = "tripwire fired"
-
-
-class Tripwire(torch.autograd.Function):
-    """Forward: identity. Backward: raises, as a failing op in the middle of backward would."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError(f"{TRIPWIRE} in backward")
 
 
 class FragileStack(nn.Module):

@@ -56,16 +56,15 @@ def plan(
             f"optimizer must be one of {sorted(OPTIMIZER_STATES)} or bytes per parameter "
             f"element (a number), got {optimizer!r}"
         )
-    replan = functools.partial(
-        _plan_one,
+    return _plan_one(
         build,
         shard,
+        world_size,
         optimizer=optimizer,
         device=device,
         fully_shard_kwargs=fully_shard_kwargs,
         activations=_lazy_activations(build, batch, loss_fn, fully_shard_kwargs),
     )
-    return replan(world_size)
 
 
 def _lazy_activations(
