@@ -179,6 +179,20 @@ mine = slice(rank * args.batch // world, (rank + 1) * args.batch // world)
 inputs, targets = inputs[mine], targets[mine]
 
 
+norms: dict[str, float] = {}
+
+
+def _grad_norm(model: nn.Module) -> float:
+    total = torch.zeros((), dtype=torch.float64)
+    for param in model.parameters():
+        grad = param.grad
+        assert grad is not None
+        if isinstance(grad, DTensor):
+            grad = grad.full_tensor()
+        total += grad.double().square().sum()
+    return float(total.sqrt())
+
+
 def contender(name: str) -> Callable[[], float]:
     torch.manual_seed(0)
     model = build_model("mlp-stack", size)
@@ -190,13 +204,19 @@ def contender(name: str) -> Callable[[], float]:
             shard(block)
         shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    # AdamW barely sees a gradient's scale, so equal losses would not catch a wrong average:
+    # print the first gradient's norm as well.
+    _, loss = model(inputs, targets)
+    loss.backward()
+    norms[name] = _grad_norm(model)
+    opt.zero_grad()
 
     def step() -> float:
         _, loss = model(inputs, targets)
         loss.backward()
         opt.step()
         opt.zero_grad()
-        return float(loss)
+        return loss.item()  # type: ignore[no-any-return]
 
     return step
 
@@ -206,7 +226,7 @@ steps = {name: contender(name) for name in names}
 losses = {name: [f"{steps[name]():.6f}" for _ in range(3)] for name in names}
 if rank == 0:
     for name in names:
-        print(f"{name:14s} first losses {' '.join(losses[name])}")
+        print(f"{name:14s} first losses {' '.join(losses[name])}, gradient norm {norms[name]:.9e}")
 times: dict[str, list[float]] = {name: [] for name in names}
 for r in range(args.rounds):
     order = names[r % len(names) :] + names[: r % len(names)]  # rotate: no contender always first
@@ -217,7 +237,8 @@ for r in range(args.rounds):
             steps[name]()
             times[name].append(time.perf_counter() - start)
 if rank == 0:
-    median = {name: statistics.median(t[args.steps :]) * 1e3 for name, t in times.items()}
+    # The first round is a warm-up where there are more.
+    median = {name: statistics.median(t[args.steps :] or t) * 1e3 for name, t in times.items()}
     print(f"\nmlp-stack, {args.layers} blocks, W={world}: median ms/step (wall)")
     for name in names:
         print(
