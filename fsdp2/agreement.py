@@ -217,8 +217,10 @@ def _cap(lines: list[str]) -> list[str]:
 
 
 def _still_meta(group: FSDPParamGroup) -> list[str]:
+    """Names within the group's module: the report names the module first."""
+    prefix = f"{group.label}." if group.label else ""
     return [
-        p.fqn
+        p.fqn.removeprefix(prefix)
         for p in group.fsdp_params
         if p.sharded_param._local_tensor.device.type == "meta"  # type: ignore[attr-defined]
     ]
@@ -239,7 +241,7 @@ def check_materialized(groups: list[FSDPParamGroup]) -> None:
         for group in members:
             for p in group.fsdp_params:
                 param = p.sharded_param
-                facts[f"{group.label}.{p.fqn}".lstrip(".")] = (
+                facts[p.fqn] = (  # named under the root by lazy init
                     f"{str(param.dtype).removeprefix('torch.')}, "
                     + ("requires_grad" if param.requires_grad else "frozen")
                 )

@@ -88,7 +88,9 @@ class Event:
 
 
 _ring: deque[Event] = deque(maxlen=_RING)
-_counts: dict[dist.ProcessGroup, int] = {}  # collectives issued per process group
+# Collectives issued per process group, by name: keyed by the group itself, this would keep
+# every destroyed group alive.
+_counts: dict[str, int] = {}
 _waiting: tuple[Event, float] | None = None  # the collective this rank is blocked in, since when
 _thread: threading.Thread | None = None
 
@@ -106,8 +108,9 @@ def timeout_s() -> float:
 
 def note(op: str, label: str, tensor: torch.Tensor, group: dist.ProcessGroup) -> Event:
     """Record a collective about to be issued on ``group``."""
-    seq = _counts.get(group, 0)
-    _counts[group] = seq + 1
+    name = _name(group)
+    seq = _counts.get(name, 0)
+    _counts[name] = seq + 1
     event = Event(op, label, tensor, group, seq)
     _ring.append(event)
     if _thread is None:
@@ -174,7 +177,7 @@ def _entry() -> dict[str, Any]:
     waiting = _waiting
     return {
         "time": time.time(),
-        "counts": {_name(g): n for g, n in list(_counts.items())},
+        "counts": dict(_counts),
         "recent": [e.as_dict() for e in list(_ring)[-_PUBLISHED:]],
         "waiting": None if waiting is None else {**waiting[0].as_dict(), "since": waiting[1]},
     }

@@ -242,6 +242,12 @@ class FSDPState:
             state.fqn = ",".join(names.get(id(m), "") for m in state.modules)
             for group in state.groups:
                 group.label = state.fqn
+                for fsdp_param in group.fsdp_params:
+                    # Named under the root from now on: at fully_shard, names were relative to
+                    # the block ("fc.weight" of which of 96?), and errors from here on quote them.
+                    module, name = fsdp_param.slot_modules[0]
+                    if id(module) in names:
+                        fsdp_param.fqn = f"{names[id(module)]}.{name}".lstrip(".")
             state.ctx = ctx
             state.is_root = state is self
             requested = state.requested_reshard_after_forward

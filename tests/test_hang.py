@@ -283,3 +283,27 @@ def test_checks_change_no_numbers_and_cost_nothing_when_off() -> None:
         # Checks on: one fingerprint all-gather before each of them.
         assert on["records"] == off["records"] + Counter(check=real), on["records"]
         assert on["calls"] == 2 * real, (on["calls"], on["records"])
+
+
+def _destroyed_group_is_freed() -> bool:
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    from fsdp2 import hang
+
+    group = dist.new_group(backend="gloo")
+    hang.note("all_gather", "x", torch.zeros(1), group)  # what every fsdp2 collective records
+    ref = weakref.ref(group)
+    dist.destroy_process_group(group)
+    del group
+    hang._ring.clear()  # the last few events hold their group, by design (8 at most)
+    gc.collect()
+    return ref() is None
+
+
+def test_the_hang_report_keeps_no_destroyed_group_alive() -> None:
+    # Counting collectives per group object once kept every group a job ever made (and
+    # destroyed) alive until exit.
+    assert run_on_ranks(2, _destroyed_group_is_freed) == [True, True]

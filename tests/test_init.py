@@ -386,5 +386,5 @@ class TestHalfConvertedGroupError(expecttest.TestCase):
         assert messages[0] == messages[1], "every rank must raise alike"
         self.assertExpectedInline(
             messages[0],
-            """fsdp2 group 'blocks.1,ln_f': the parameters weight, bias were replaced (by .to(), to_empty() or load_state_dict(assign=True)) but ln1.weight, ln1.bias, attn.qkv.weight, attn.proj.weight, attn.proj.bias, ln2.weight, ln2.bias, mlp.0.weight, mlp.0.bias, mlp.2.weight, mlp.2.bias were not; the modules of one fully_shard call are gathered together, so convert all of them (e.g. call .to()/to_empty() on their parent)""",
+            """fsdp2 group 'blocks.1,ln_f': the parameters ln_f.weight, ln_f.bias were replaced (by .to(), to_empty() or load_state_dict(assign=True)) but blocks.1.ln1.weight, blocks.1.ln1.bias, blocks.1.attn.qkv.weight, blocks.1.attn.proj.weight, blocks.1.attn.proj.bias, blocks.1.ln2.weight, blocks.1.ln2.bias, blocks.1.mlp.0.weight, blocks.1.mlp.0.bias, blocks.1.mlp.2.weight, blocks.1.mlp.2.bias were not; the modules of one fully_shard call are gathered together, so convert all of them (e.g. call .to()/to_empty() on their parent)""",
         )

@@ -451,6 +451,10 @@ def _error_messages() -> dict[str, str]:
         ),
         "tied after": lambda m: setattr(m.layers[4], "weight", m.layers[2].weight),
         "removed": lambda m: delattr(m.layers[6], "weight"),
+        # layers.0 has a fully_shard call of its own: still named from the root
+        "in a block": lambda m: setattr(
+            m.layers[0], "weight", nn.Parameter(torch.zeros(m.layers[0].weight.shape))
+        ),
     }
     messages = {name: _forward_error(_chain("fsdp2")[0], case) for name, case in cases.items()}
 
@@ -501,6 +505,12 @@ class TestErrorMessages(expecttest.TestCase):
         self.assertExpectedInline(
             msgs["tie partly replaced"],
             """ValueError: layers.2.weight is one parameter shared by 2 modules (tied weights), and only some of them were assigned a new one. Assign the same parameter to all of them (tie or untie weights before fully_shard)""",
+        )
+
+    def test_named_from_the_root(self) -> None:
+        self.assertExpectedInline(
+            error_messages()["in a block"],
+            """ValueError: layers.0.weight was replaced after fully_shard by a plain Parameter; fsdp2 can adopt a parameter laid out like the one it replaces: a DTensor of shape (16, 8) over DeviceMesh((2,), 'cpu', stride=(1,)) as (Shard(dim=0),) on cpu. Build it as nn.Parameter(distribute_tensor(full, old.device_mesh, old.placements)), or copy into the old one in place (with torch.no_grad(): old.copy_(new))""",
         )
 
     def test_removed(self) -> None:
