@@ -88,7 +88,8 @@ class InputHooks:
         if not tensors:
             return False
         index = len(self._calls)
-        self._calls.append(_Call([get_gradient_edge(t).node for t in tensors]))
+        # grad_fn is the gradient edge's node for any non-leaf (the usual input: an activation)
+        self._calls.append(_Call([t.grad_fn or get_gradient_edge(t).node for t in tensors]))
         fn = partial(self._fired, self._generation, index)
         for t in tensors:
             self._handles.append(_prepend_hook(t, fn))
@@ -115,8 +116,11 @@ class InputHooks:
         call = self._calls[index]
         task = torch._C._current_graph_task_id()
         if call.task != task:
-            # Inputs this task computes no gradient for are not waited for.
-            call.task, call.left = task, sum(_will_run(n) for n in call.nodes)
+            # Inputs this task computes no gradient for are not waited for. With one, this
+            # hook firing says that it is computed.
+            nodes = call.nodes
+            call.task = task
+            call.left = 1 if len(nodes) == 1 else sum(_will_run(n) for n in nodes)
         call.left -= 1
         if call.left <= 0 and call.done_in != task:
             call.done_in = task

@@ -279,7 +279,9 @@ class FSDPParam:
         holds it (a parameter the user assigned meanwhile must not vanish silently), and carry
         over its ``requires_grad``: the user may have changed it on the one they could see."""
         if replacing is not None:
-            self.check_slots(replacing)
+            for params, name in self.slots:  # check_slots, inlined: it runs 16 times a block
+                if params.get(name) is not replacing:
+                    self.check_slots(replacing)  # raises
             if param.requires_grad != replacing.requires_grad:
                 param.requires_grad_(replacing.requires_grad)
         for params, name in self.slots:
@@ -358,7 +360,9 @@ class FSDPParam:
         (A new wrapper each time, about 1.5 us: keeping one to reuse would keep the previous
         step's gradient alive after ``zero_grad`` dropped it.)"""
         spec = self.sharded_param._spec  # type: ignore[attr-defined]
-        return DTensor(local, spec, requires_grad=False)  # type: ignore[no-untyped-call]
+        # __new__ alone: DTensor.__init__ does nothing in eager, behind a dynamo-disable and
+        # an export wrapper that cost more than the wrapping itself (once per parameter, step).
+        return DTensor.__new__(DTensor, local, spec, requires_grad=False)
 
     def __repr__(self) -> str:
         return f"FSDPParam({self.fqn}, shape={tuple(self.shape)}, chunk={self.chunk_numel})"
