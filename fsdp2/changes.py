@@ -28,17 +28,6 @@ __all__ = ["take_up_changes"]
 
 def take_up_changes(group: FSDPParamGroup) -> None:
     """Adopt parameters assigned on the group's modules, then follow ``requires_grad``."""
-    if group.state is not ShardedState.UNSHARDED:
-        for p in group.fsdp_params:
-            slots = p.slots
-            if (
-                len(slots) != 1
-                or slots[0][0].get(slots[0][1]) is not p.sharded_param
-                or p.sharded_param.requires_grad != p.requires_grad
-            ):
-                break
-        else:
-            return  # the common case, at every forward: nothing assigned, frozen or unfrozen
     _adopt_replaced(group)
     _follow_requires_grad(group)
 
