@@ -19,6 +19,7 @@ import os
 import pickle
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -26,10 +27,12 @@ import traceback
 from collections.abc import Callable
 from multiprocessing import connection, get_context
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 WORLD_SIZES = (1, 2, 4)
+_REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TIMEOUT_S = 60.0
 _START_TIMEOUT_S = 120.0  # 4 ranks importing torch on 2 cores, plus a loaded CI machine
 _LOG_TAIL_CHARS = 6000
@@ -334,3 +337,14 @@ def init_local_process_group() -> None:
     dist.init_process_group(
         "gloo", init_method=f"file://{os.path.join(tmp, 'rendezvous')}", rank=0, world_size=1
     )
+
+
+def launch(
+    script: str | os.PathLike[str], world_size: int, *args: str, timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` as a user would, from the repository root: ``python`` for one rank,
+    ``torchrun`` for more; one intra-op thread per rank (2 cores), output captured."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}"]
+    cmd = [sys.executable, *(launcher if world_size > 1 else []), str(script), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(_REPO)}
+    return subprocess.run(cmd, cwd=_REPO, env=env, capture_output=True, text=True, timeout=timeout)

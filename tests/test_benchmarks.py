@@ -7,13 +7,12 @@ It must train exactly like fsdp2 and torch on the same global batch.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.harness import launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fsdp2_only")]
 
@@ -22,17 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_floor_least_trains_like_fsdp2_and_torch(world: int) -> None:
-    script = str(REPO / "benchmarks" / "floor.py")
-    flags = ["--layers", "3", "--rounds", "1", "--steps", "1"]
-    if world == 1:
-        cmd = [sys.executable, script, *flags]
-    else:
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={world}", script, *flags,
-        ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    script = REPO / "benchmarks" / "floor.py"
+    proc = launch(script, world, "--layers", "3", "--rounds", "1", "--steps", "1", timeout=300)
     out = proc.stdout + proc.stderr
     # Read what rank 0 printed before teardown (a gloo job can abort after Python finishes).
     found = re.findall(

@@ -11,13 +11,12 @@ reduce-scatter kept referenced by a helper thread once held a whole-input copy (
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.harness import launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fsdp2_only")]
 
@@ -30,15 +29,7 @@ PEAK_RTOL = 0.10
 
 
 def _run(model: str, world: int) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    if world == 1:
-        cmd = [sys.executable, str(SCRIPT), "--model", model]
-    else:
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={world}", str(SCRIPT), "--model", model,
-        ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    proc = launch(SCRIPT, world, "--model", model, timeout=400)
     out = proc.stdout + proc.stderr
     if "Error building extension" in out or "Ninja is required" in out:
         pytest.skip("the CPU allocator counter (a C++ extension) cannot be built here")

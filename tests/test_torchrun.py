@@ -6,15 +6,13 @@ the rest. A parity failure must surface as a non-zero exit, or these tests could
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.harness import IMPL_UNDER_TEST
+from tests.harness import IMPL_UNDER_TEST, launch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PARITY_SCRIPT = REPO_ROOT / "tests" / "parity.py"
@@ -25,20 +23,7 @@ pytestmark = pytest.mark.slow
 
 
 def torchrun_parity(*args: str) -> subprocess.CompletedProcess[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={NPROC}",
-        str(PARITY_SCRIPT),
-        *args,
-    ]
-    # One intra-op thread per rank: 2 cores; also silences torchrun's OMP_NUM_THREADS warning.
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
-    )
+    return launch(PARITY_SCRIPT, NPROC, *args, timeout=TIMEOUT_S)
 
 
 def ok_lines(stdout: str) -> dict[int, str]:
