@@ -73,10 +73,19 @@ def _experts_with_rank0_always_done() -> dict[str, object]:
 
     from fsdp2.collectives import Pending
 
+    # The pool's processes run later tests too: put both back.
+    saved_timeout, saved_done = os.environ.get("FSDP2_COLLECTIVE_TIMEOUT"), Pending.done
     os.environ["FSDP2_COLLECTIVE_TIMEOUT"] = "10"  # a regression ends in the hang report
     if dist.get_rank() == 0:
         Pending.done = lambda self: True  # type: ignore[method-assign]
-    return _experts_on_hsdp_mesh()
+    try:
+        return _experts_on_hsdp_mesh()
+    finally:
+        Pending.done = saved_done  # type: ignore[method-assign]
+        if saved_timeout is None:
+            os.environ.pop("FSDP2_COLLECTIVE_TIMEOUT", None)
+        else:
+            os.environ["FSDP2_COLLECTIVE_TIMEOUT"] = saved_timeout
 
 
 def test_collectives_finished_early_only_where_that_issues_none() -> None:
