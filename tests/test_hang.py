@@ -296,6 +296,9 @@ def _destroyed_group_is_freed() -> bool:
     group = dist.new_group(backend="gloo")
     hang.note("all_gather", "x", torch.zeros(1), group)  # what every fsdp2 collective records
     ref = weakref.ref(group)
+    # A gloo group's constructor can return on one rank while its peer is still connecting;
+    # destroying it then closes the socket under the peer ("Connection closed by peer").
+    dist.barrier(group)
     dist.destroy_process_group(group)
     del group
     hang._ring.clear()  # the last few events hold their group, by design (8 at most)
