@@ -159,7 +159,9 @@ def _rebuild_unsharded(
         tensor, inner = local.fsdp_post_all_gather(outputs, metadata, dtype)
         fsdp_param.ext_inner = [(t, t.untyped_storage().nbytes()) for t in inner]
         if tensor.shape != fsdp_param.shape:  # padded rows (uneven dim 0): cut them off
-            tensor = torch.as_strided(tensor, fsdp_param.shape, _contiguous(fsdp_param.shape), 0)
+            tensor = torch.as_strided(
+                tensor, fsdp_param.shape, contiguous_strides(fsdp_param.shape), 0
+            )
         fsdp_param.adopt_unsharded(nn.Parameter(tensor, requires_grad=fsdp_param.requires_grad))
         return
     for tensor, nbytes in fsdp_param.ext_inner:
@@ -169,7 +171,8 @@ def _rebuild_unsharded(
         local.fsdp_post_all_gather(outputs, metadata, dtype, out=fsdp_param.unsharded_param)
 
 
-def _contiguous(shape: torch.Size) -> tuple[int, ...]:
+def contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (what ``torch.empty(shape).stride()`` gives)."""
     strides, step = [], 1
     for size in reversed(shape):
         strides.append(step)

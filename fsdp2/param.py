@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils import dlpack
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from fsdp2.extension import has_extension
+from fsdp2.extension import contiguous_strides, has_extension
 from fsdp2.mesh import MeshInfo, sharded_layout
 from fsdp2.nested import dp_rows_mismatch, piece_sizes
 
@@ -74,7 +74,9 @@ class FSDPParam:
         self.outer_spec: DTensorSpec | None = param._spec if isinstance(param, DTensor) else None
         self.shape = param._local_tensor.shape if isinstance(param, DTensor) else param.shape
         self.global_shape = param.shape
-        self.stride = param.stride()
+        # Shards are stored contiguously whatever the parameter's layout (channels_last included),
+        # so the sharded DTensor reports the contiguous strides of the full shape.
+        self.stride = contiguous_strides(param.shape)
         self.dtype = param.dtype
         self.requires_grad = param.requires_grad
         self.numel = math.prod(self.shape)
@@ -194,12 +196,22 @@ class FSDPParam:
                 with torch.no_grad():
                     local.copy_(current)
             # Keep the Parameter object (optimizers and users hold it); swap what it wraps.
+            if self.sharded_param.stride() != self.stride:
+                # .to(memory_format=...) made it channels_last: its strides must be the
+                # contiguous ones of the buffer it now lives in.
+                new = self._new_sharded_param(local, self.sharded_param.requires_grad)
+                torch.utils.swap_tensors(self.sharded_param, new)  # type: ignore[no-untyped-call]
             self.sharded_param._local_tensor = local  # type: ignore[attr-defined]
             self.sharded_param._fsdp2_owner = owner  # type: ignore[attr-defined]
             return
         if full.device.type != "meta" and not self.wrapper:
             with torch.no_grad():
                 local.copy_(self.shard_of(full))
+        self.sharded_param = self._new_sharded_param(local, self.requires_grad)
+        self.sharded_param._fsdp2_owner = self.owner  # type: ignore[attr-defined]
+        self.local_tensor = self.sharded_param._local_tensor  # type: ignore[attr-defined]
+
+    def _new_sharded_param(self, local: torch.Tensor, requires_grad: bool) -> nn.Parameter:
         dtensor = DTensor.from_local(
             local,
             self.mesh,
@@ -208,9 +220,7 @@ class FSDPParam:
             shape=self.global_shape,
             stride=self.stride,
         )
-        self.sharded_param = nn.Parameter(dtensor, requires_grad=self.requires_grad)
-        self.sharded_param._fsdp2_owner = self.owner  # type: ignore[attr-defined]
-        self.local_tensor = self.sharded_param._local_tensor  # type: ignore[attr-defined]
+        return nn.Parameter(dtensor, requires_grad=requires_grad)
 
     def _wrapper_shard(self, device: torch.device, full: torch.Tensor | None) -> torch.Tensor:
         """A wrapper subclass's shard: this rank's rows of ``full`` cut through the subclass (so

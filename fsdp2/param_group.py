@@ -287,7 +287,7 @@ class FSDPParamGroup(GradientReduction):
         for fsdp_param in self.fsdp_params:
             fsdp_param.dtype = fsdp_param.sharded_param.dtype
         self._set_dtypes()
-        devices = [p.sharded_param._local_tensor.device for p in self.fsdp_params]  # type: ignore[attr-defined]
+        devices = [_local_device(p) for p in self.fsdp_params]
         # Some still on meta (only others were replaced): nothing to keep until to_empty().
         metas = [d for d in devices if d.type == "meta"]
         storage = metas[0] if metas else devices[0]
@@ -301,19 +301,38 @@ class FSDPParamGroup(GradientReduction):
         return fsdp_param.in_buffer()
 
     def _repack_if_stale(self) -> None:
-        """Before a gather: finish a deferred re-pack, or refuse to gather stale buffers."""
+        """Before a gather: finish a deferred re-pack. Parameters left in the old buffer are
+        still good when they share the replaced ones' device: ``.to()`` hands back the same
+        tensor where there is nothing to convert (a bias under ``memory_format=``, a parameter
+        already of the target dtype). On meta, or on another device, they cannot be gathered
+        with the rest."""
         if not self.stale:
             return
         self.rebuild()
         if self.stale:
-            done = [p.fqn for p in self.fsdp_params if not self._packed(p)]
-            left = [p.fqn for p in self.fsdp_params if self._packed(p)]
-            raise RuntimeError(
-                f"fsdp2 group {self.label or '<root>'!r}: the parameters {', '.join(done)} were "
-                f"replaced (by .to(), to_empty() or load_state_dict(assign=True)) but "
-                f"{', '.join(left)} were not; the modules of one fully_shard call are gathered "
-                "together, so convert all of them (e.g. call .to()/to_empty() on their parent)"
-            )
+            self._repack_partly_replaced()
+
+    def _repack_partly_replaced(self) -> None:
+        done = [p for p in self.fsdp_params if not self._packed(p)]
+        left = [p for p in self.fsdp_params if self._packed(p)]
+        devices = {_local_device(p) for p in self.fsdp_params}
+        if len(devices) == 1 and next(iter(devices)).type != "meta":
+            self.rebuild(force=True)
+            return
+
+        def names(params: list[FSDPParam]) -> str:
+            return ", ".join(p.fqn for p in params)
+
+        def where(params: list[FSDPParam]) -> str:
+            return " and ".join(sorted({str(_local_device(p)) for p in params}))
+
+        raise RuntimeError(
+            f"fsdp2 group {self.label or '<root>'!r}: the parameters {names(done)} were "
+            f"replaced (by .to(), to_empty() or load_state_dict(assign=True)) and are on "
+            f"{where(done)}, but {names(left)} were not and are on {where(left)}; the modules "
+            "of one fully_shard call are gathered together, so convert all of them (e.g. call "
+            ".to()/to_empty() on their parent)"
+        )
 
     # -- unshard / reshard -----------------------------------------------------------------------
 
@@ -514,3 +533,8 @@ class FSDPParamGroup(GradientReduction):
 
     def __repr__(self) -> str:
         return f"FSDPParamGroup({self.label!r}, {self.state.name}, {len(self.fsdp_params)} params)"
+
+
+def _local_device(fsdp_param: FSDPParam) -> torch.device:
+    device: torch.device = fsdp_param.sharded_param._local_tensor.device  # type: ignore[attr-defined]
+    return device

@@ -371,7 +371,9 @@ def _half_converted_group_error() -> str:
     model = _gpt_with_list_group("meta")
     model.to_empty(device="cpu")
     _initialise(model)
-    model.ln_f.to(torch.float64)  # only one module of the [blocks.1, ln_f] group
+    # Only one module of the [blocks.1, ln_f] group, to another device: the group cannot be
+    # gathered from two. (A half conversion on one device is followed: test_state_changes.)
+    model.ln_f.to("meta")
     try:
         model(*make_batch("gpt", 0, 2))
     except RuntimeError as e:
@@ -386,5 +388,5 @@ class TestHalfConvertedGroupError(expecttest.TestCase):
         assert messages[0] == messages[1], "every rank must raise alike"
         self.assertExpectedInline(
             messages[0],
-            """fsdp2 group 'blocks.1,ln_f': the parameters ln_f.weight, ln_f.bias were replaced (by .to(), to_empty() or load_state_dict(assign=True)) but blocks.1.ln1.weight, blocks.1.ln1.bias, blocks.1.attn.qkv.weight, blocks.1.attn.proj.weight, blocks.1.attn.proj.bias, blocks.1.ln2.weight, blocks.1.ln2.bias, blocks.1.mlp.0.weight, blocks.1.mlp.0.bias, blocks.1.mlp.2.weight, blocks.1.mlp.2.bias were not; the modules of one fully_shard call are gathered together, so convert all of them (e.g. call .to()/to_empty() on their parent)""",
+            """fsdp2 group 'blocks.1,ln_f': the parameters ln_f.weight, ln_f.bias were replaced (by .to(), to_empty() or load_state_dict(assign=True)) and are on meta, but blocks.1.ln1.weight, blocks.1.ln1.bias, blocks.1.attn.qkv.weight, blocks.1.attn.proj.weight, blocks.1.attn.proj.bias, blocks.1.ln2.weight, blocks.1.ln2.bias, blocks.1.mlp.0.weight, blocks.1.mlp.0.bias, blocks.1.mlp.2.weight, blocks.1.mlp.2.bias were not and are on cpu; the modules of one fully_shard call are gathered together, so convert all of them (e.g. call .to()/to_empty() on their parent)""",
         )

@@ -428,6 +428,127 @@ def test_cast_after_training(impl: str, cast: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Conversions that leave some of a group's parameters as they were
+# ---------------------------------------------------------------------------------------------
+# ``module.to(...)`` hands back the very same tensor where there is nothing to convert: a bias
+# under ``memory_format=torch.channels_last``, a parameter already of the target dtype. The group
+# then holds replaced and untouched parameters side by side; both are good values.
+
+
+class _ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(c, 6, 3, padding=1), nn.ReLU()) for c in (3, 6)
+        )
+        self.head = nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return F.mse_loss(self.head(x.mean((2, 3))), y)
+
+
+class _HalfDouble(nn.Module):
+    """A float32 linear layer and a float64 gain: ``.double()`` converts only the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.gain = nn.Parameter(torch.rand(6, dtype=torch.float64) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x.to(self.lin.weight.dtype))) * self.gain
+
+
+class _HalfDoubleNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_HalfDouble() for _ in range(2))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return F.mse_loss(x, y.to(x.dtype))
+
+
+CONVERSIONS = {
+    # name: (model, batch of `rows` rows from `gen`, conversion, when it is applied)
+    "channels_last_before_sharding": (
+        _ConvNet,
+        lambda gen, rows: (torch.randn(rows, 3, 5, 5, generator=gen), torch.randn(rows, 4)),
+        lambda m: m.to(memory_format=torch.channels_last),
+        "before",
+    ),
+    "channels_last_after_sharding": (
+        _ConvNet,
+        lambda gen, rows: (torch.randn(rows, 3, 5, 5, generator=gen), torch.randn(rows, 4)),
+        lambda m: m.to(memory_format=torch.channels_last),
+        "after",
+    ),
+    "double_with_a_double_already": (
+        _HalfDoubleNet,
+        lambda gen, rows: (torch.randn(rows, 6, generator=gen), torch.randn(rows, 6)),
+        lambda m: m.double(),
+        "after",
+    ),
+}
+
+
+def _convert_partly(name: str) -> None:
+    build, make_batch_of, convert, when = CONVERSIONS[name]
+    api = fsdp_api("fsdp2")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(MODEL_SEED)
+    model = build()
+    torch.manual_seed(MODEL_SEED)
+    ref = build()
+    if when == "before":
+        model, ref = convert(model), convert(ref)
+    for block in model.blocks:
+        api.fully_shard(block)
+    api.fully_shard(model)
+    # Built before the conversion: it must still step the parameters the model computes with.
+    sgds = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
+    params = list(model.parameters())
+    close = _Comparer(RTOL, ATOL)
+    for step in range(4):
+        if step == 1 and when == "after":
+            assert convert(model) is model and convert(ref) is ref
+            assert list(model.parameters()) == params, "the optimizer's parameters were replaced"
+        gen = torch.Generator().manual_seed(700 + step)
+        x, y = make_batch_of(gen, GLOBAL_BATCH)
+        if "channels_last" in name:
+            x = x.to(memory_format=torch.channels_last)
+        rows = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
+        loss = model(x[rows], y[rows])
+        loss.backward()
+        loss = loss.detach().clone()
+        dist.all_reduce(loss)
+        ref_loss = ref(x, y)
+        ref_loss.backward()
+        close(f"step {step} loss", loss / world, ref_loss.detach())
+        assert compare_grads(model, ref, step, close) == len(params)
+        for sgd in sgds:
+            sgd.step()
+            sgd.zero_grad()
+        compare_params_and_buffers(model, ref, f"after step {step}", close)
+    for pname, param in model.named_parameters():
+        # fsdp2 keeps shards contiguous, whatever layout the parameter had.
+        assert isinstance(param, DTensor) and param.to_local().is_contiguous(), pname
+        assert param.stride() == torch.empty(param.shape, device="meta").stride(), pname
+        assert param.dtype == dict(ref.named_parameters())[pname].dtype, pname
+
+
+@pytest.mark.parametrize("name", list(CONVERSIONS))
+def test_conversion_leaving_some_parameters_as_they_were(name: str, fsdp2_only: None) -> None:
+    # torch's fully_shard refuses channels_last parameters ("does not support non-contiguous
+    # parameters"), fails in .to(memory_format=) after sharding, and keeps gathering into its
+    # first dtype's buffers after .double().
+    run_on_ranks(2, _convert_partly, name)
+
+
+# ---------------------------------------------------------------------------------------------
 # Errors: changes fsdp2 cannot follow, raised on every rank
 # ---------------------------------------------------------------------------------------------
 
