@@ -146,6 +146,34 @@ def test_dcp_save_then_load_at_any_world_size(saved: dict[str, Any], world_size:
     _check_losses(resumed["losses"], saved["losses"], world_size)
 
 
+def _async_save_and_train_on(ckpt: str) -> list[float]:
+    """torchtitan's async checkpoint: ``dcp.async_save`` on a gloo group of its own (its writer
+    thread's collectives must not interleave with training's), training going on meanwhile."""
+    model = _sharded_model(MODEL_SEED)
+    optim = adamw(model.parameters())
+    _train(model, optim, range(STEPS_BEFORE))
+    model_sd, optim_sd = get_state_dict(model, optim)
+    group = dist.new_group(backend="gloo")
+    written = dcp.async_save(
+        {"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt, process_group=group
+    )
+    losses = _train(model, optim, RESUMED_STEPS)
+    written.result()
+    dist.barrier(group)
+    dist.destroy_process_group(group)
+    return losses
+
+
+def test_dcp_async_save_keeps_the_state_of_its_step(saved: dict[str, Any], tmp_path: Path) -> None:
+    ckpt = str(tmp_path / "async")
+    losses = run_on_ranks(SAVE_WORLD_SIZE, _async_save_and_train_on, ckpt)[0]
+    assert losses == saved["losses"]  # the same computation as the synchronous run: bitwise
+    # Written while training went on, it holds the state at the call, not a later one.
+    resumed = run_on_ranks(SAVE_WORLD_SIZE, _dcp_resume, ckpt)[0]
+    _assert_same_state(resumed["full"], saved["full"])
+    _check_losses(resumed["losses"], saved["losses"], SAVE_WORLD_SIZE)
+
+
 def _dcp_resume_error(ckpt: str) -> str:
     """The error of resuming from ``ckpt``. Caught here: DCP raises on every rank alike, and
     the rank pool stays usable. (``CheckpointException`` is a ``BaseException``.)"""
