@@ -146,6 +146,38 @@ def test_bf16_parity_with_bf16_reference(name: str, reduce_dtype: str | None, sl
     run_on_ranks(2, _bf16_parity, name, reduce_dtype, sliced)
 
 
+class _UnderAutocast(nn.Module):
+    """nanoGPT's loop: ``with torch.autocast(...): loss = model(x, y)`` around an fp32 model,
+    without a MixedPrecisionPolicy. The sharded model is the inner one (its own root)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *batch: torch.Tensor) -> torch.Tensor:
+        device_type = next(self.inner.parameters()).device.type
+        with torch.autocast(device_type, dtype=BF16):
+            return self.inner(*batch)
+
+
+def _autocast_parity(name: str) -> None:
+    model, ref = build_model(name, SEED), build_model(name, SEED)
+    shard_units(model, name, MixedPrecisionPolicy())
+    train_side_by_side(
+        _UnderAutocast(model),
+        _UnderAutocast(ref),
+        MODELS[name].make_batch,
+        dp_rank=dist.get_rank(),
+        dp_size=dist.get_world_size(),
+        tol=BF16_TOL,  # bf16 matmuls of each rank's rows vs of the whole batch
+    )
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_autocast_around_an_fp32_sharded_model(name: str) -> None:
+    run_on_ranks(2, _autocast_parity, name)
+
+
 def _loss_curve(num_steps: int) -> dict[str, list[float]]:
     """bf16 compute with fp32 reduction against plain fp32 training of the same model."""
     rank, world = dist.get_rank(), dist.get_world_size()
