@@ -62,6 +62,8 @@ def _batch(gen: torch.Generator, n: int) -> Batch:
 
 
 def _mode(name: str) -> contextlib.AbstractContextManager[Any]:
+    if name == "grad_enabled":  # an eval loop that forgot no_grad: graphs never backpropagated
+        return contextlib.nullcontext()
     return torch.inference_mode() if name == "inference_mode" else torch.no_grad()
 
 
@@ -97,8 +99,9 @@ def _evaluate(t: Lockstep, mode: str, step: int) -> None:
     close(f"{mode} loss before step {step}", loss, ref_loss)
     close(f"{mode} generation before step {step}", tokens, ref_tokens)
     assert loss.is_inference() == (mode == "inference_mode")
-    # Everything is resharded after a forward without grad.
-    assert all(isinstance(p, DTensor) for p in t.model.parameters())
+    if mode != "grad_enabled":
+        # Everything is resharded after a forward without grad.
+        assert all(isinstance(p, DTensor) for p in t.model.parameters())
 
 
 def _eval_and_train(mode: str, eval_steps: tuple[int, ...]) -> list[list[tuple[str, str]]]:
@@ -127,12 +130,13 @@ def _eval_and_train(mode: str, eval_steps: tuple[int, ...]) -> list[list[tuple[s
     return orders
 
 
-@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad", "grad_enabled"])
 @pytest.mark.parametrize(
     "eval_steps", [(0,), (1,), (0, 1, 2), (NUM_STEPS,)], ids=["first", "between", "every", "after"]
 )
 def test_eval_and_generate_around_training(mode: str, eval_steps: tuple[int, ...]) -> None:
-    """Evaluation (a loss and a generation loop) under ``mode`` at the given steps, training
+    """Evaluation (a loss and a generation loop) under ``mode`` at the given steps (or with
+    grad enabled and never backpropagated, as an eval loop that forgot ``no_grad``), training
     in between: outputs, gradients and parameters match the unsharded reference, and every
     training backward reduces each group as soon as its gradients are in."""
     for orders in run_on_ranks(2, _eval_and_train, mode, eval_steps):
