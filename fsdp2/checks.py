@@ -108,10 +108,20 @@ def _message(group: dist.ProcessGroup, found: list[dict[str, object]]) -> str:
     )
 
 
+SCALER_LABEL = "ShardedGradScaler"  # the label of its found-inf all-reduce (grad_scaler.py)
+
+
 def _cause(found: list[dict[str, object]]) -> str:
     def differ(key: str) -> bool:
         return len({str(f[key]) for f in found}) > 1
 
+    if any(f["label"] == SCALER_LABEL for f in found):
+        return (
+            "Likely cause: an optimizer step ran on some ranks only: ShardedGradScaler's "
+            "unscale_ (in scaler.step) decides skip-or-step with every rank. Fix: call "
+            "scaler.step/unscale_ on every rank each step (a rank out of data must stop the "
+            "job on every rank, not skip a step alone)."
+        )
     if differ("op"):
         return (
             "Likely cause: some ranks are in forward (all-gather) while others are in backward "

@@ -8,15 +8,20 @@ gradient in the bucket is laid out like the first. Under fsdp2 it often is not: 
 is ``Replicate()`` (the flag then stays local), and with tensor parallelism the first gradient
 may live on the data-parallel mesh while later ones are split over tp as well. An overflow in one
 rank's shard then makes that rank skip the step while its peers take it, and the copies that
-should stay identical drift apart. This scaler max-reduces the flag over one process group that
-spans every rank of the model (default: the world) after the local check: one scalar
-all-reduce per ``unscale_``.
+should stay identical drift apart. This scaler checks each rank's local shards itself (DTensor's handler
+never runs, nor its per-bucket all-reduces) and max-reduces the flag over one process group that
+spans every rank of the model (default: the world): one scalar all-reduce per ``unscale_``.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from fsdp2 import checks, collectives
 
 __all__ = ["ShardedGradScaler"]
 
@@ -59,15 +64,48 @@ class ShardedGradScaler(torch.amp.GradScaler):
         found_inf: torch.Tensor,
         allow_fp16: bool,
     ) -> dict[torch.device, torch.Tensor]:
-        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
-        if not dist.is_initialized():
-            return per_device
+        # Each rank checks and unscales its own shards (the local tensors), so DTensor's handler
+        # never issues its per-bucket all-reduce; the one all-reduce below decides for all.
+        buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                grad = param.grad
+                if grad is None:
+                    continue
+                if grad.dtype == torch.float16 and not allow_fp16:
+                    raise ValueError("Attempting to unscale FP16 gradients.")
+                if isinstance(grad, DTensor):
+                    grad = grad.to_local()
+                elif grad.is_sparse:
+                    if grad.dtype == torch.float16:  # summing duplicate indices may overflow
+                        param.grad = grad = grad.coalesce()
+                    grad = grad._values()
+                buckets[(grad.device, grad.dtype)].append(grad)
+        flags: dict[torch.device, torch.Tensor] = {}
+        inv_scales: dict[torch.device, torch.Tensor] = {}
+        with torch.no_grad():
+            for (device, _), grads in buckets.items():
+                if device not in flags:
+                    flags[device] = found_inf.to(device, copy=True)
+                    inv_scales[device] = inv_scale.to(device)
+                torch._amp_foreach_non_finite_check_and_unscale_(
+                    grads, flags[device], inv_scales[device]
+                )
+        if dist.is_initialized():
+            self._agree(flags, found_inf)
+        return flags
+
+    def _agree(self, flags: dict[torch.device, torch.Tensor], found_inf: torch.Tensor) -> None:
+        """Every rank's flags become the max over ``process_group``: all step, or all skip."""
         # One flag per rank, on the scale's device (the one the collective backend serves).
-        flags = [flag.to(found_inf.device) for flag in per_device.values()]
-        found = torch.stack(flags).amax() if flags else torch.zeros_like(found_inf)
-        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.process_group)
-        for flag in per_device.values():
+        mine = [flag.to(found_inf.device) for flag in flags.values()]
+        found = torch.stack(mine).amax() if mine else torch.zeros_like(found_inf)
+        # Through fsdp2's seam, as every fsdp2 collective: a rank that skipped this step's
+        # unscale_ (its data ran out) ends in the hang report, and the opt-in checks see it.
+        group = self.process_group or dist.group.WORLD
+        assert group is not None  # the default group exists: dist.is_initialized()
+        collectives.all_reduce(found, group, checks.SCALER_LABEL, dist.ReduceOp.MAX).wait()
+        for flag in flags.values():
             flag.copy_(found)
-        if not per_device:  # no gradient here, but a peer may have found an inf
-            per_device[found_inf.device] = found
-        return per_device
+        if not flags:  # no gradient here, but a peer may have found an inf
+            flags[found_inf.device] = found

@@ -52,6 +52,7 @@ class Stack(nn.Module):
         self.num_experts = 2  # this rank's router picks experts[:num_experts]
         self.trip = False  # raise in backward, between blocks 1 and 2
         self.gate_b = True  # whether gated.b runs (gated is one fully_shard group)
+        self.group: dist.ProcessGroup | None = None  # the group it is sharded over
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         for i, block in enumerate(self.blocks):
@@ -73,6 +74,9 @@ def build(group: dist.ProcessGroup | None = None, gated: bool = False) -> Stack:
     fully_shard = fsdp_api("fsdp2").fully_shard
     torch.manual_seed(0)
     model = Stack(gated)
+    # Not the parameters' device_mesh.get_group(): DTensor's caches hand back an equal mesh of
+    # an earlier group over the same ranks (meshes compare by ranks, not by group).
+    model.group = group
     mesh = None if group is None else DeviceMesh.from_group(group, "cpu")
     for module in [*model.blocks, *model.experts, model.long_context, model.gated]:
         if module is not None:
@@ -149,6 +153,20 @@ def _unused_param_fixed(model: Stack) -> str:
     return _unused_param(model)
 
 
+def _scaler_step_on_rank0(model: Stack) -> str:
+    """fp16-style loss scaling; rank 1 skips the optimizer step (its data ran out), so only
+    rank 0 enters the scaler's found-inf all-reduce."""
+    from fsdp2 import ShardedGradScaler
+
+    scaler = ShardedGradScaler(device="cpu", process_group=model.group)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.scale(model(*batch(0))).backward()
+    if dist.get_rank() == 0:
+        scaler.step(optim)
+        scaler.update()
+    return _step(model, 1)
+
+
 SCENARIOS: dict[str, Callable[[Stack], str]] = {
     "skipped_block": _skipped_block,
     "expert_on_rank0": _expert_on_rank0,
@@ -158,7 +176,11 @@ SCENARIOS: dict[str, Callable[[Stack], str]] = {
     "eval_on_rank0": _eval_on_rank0,
     "unused_param": _unused_param,
     "unused_param_fixed": _unused_param_fixed,
+    "scaler_step_on_rank0": _scaler_step_on_rank0,
 }
+# Scenarios run with the checks on only: what they pin is the checks' report. (Off, the scaler's
+# 4-byte all-reduce meets a peer's all-gather, and gloo aborts the process on the size mismatch.)
+CHECKS_ONLY = ("eval_on_rank0", "unused_param", "unused_param_fixed", "scaler_step_on_rank0")
 
 
 def run_scenarios(names: list[str], checks: bool) -> dict[str, tuple[str, float]]:
