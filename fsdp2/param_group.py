@@ -313,12 +313,12 @@ class FSDPParamGroup(GradientReduction):
             self._repack_partly_replaced()
 
     def _repack_partly_replaced(self) -> None:
-        done = [p for p in self.fsdp_params if not self._packed(p)]
-        left = [p for p in self.fsdp_params if self._packed(p)]
         devices = {_local_device(p) for p in self.fsdp_params}
         if len(devices) == 1 and next(iter(devices)).type != "meta":
             self.rebuild(force=True)
             return
+        done = [p for p in self.fsdp_params if not self._packed(p)]
+        left = [p for p in self.fsdp_params if self._packed(p)]
 
         def names(params: list[FSDPParam]) -> str:
             return ", ".join(p.fqn for p in params)

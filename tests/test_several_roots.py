@@ -19,10 +19,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from tests.dp_parity import global_batch, local_batch, mean_over_ranks
 from tests.harness import IMPL_UNDER_TEST, fsdp_api, run_on_ranks
+from tests.models import Batch
 from tests.tolerance import FP32_ATOL, FP32_RTOL
 
-ROWS = 4  # per rank
 STEPS = 3
 LR = 0.1
 
@@ -34,16 +35,15 @@ def _mlp(inputs: int, outputs: int, seed: int) -> nn.Sequential:
     )
 
 
-def _batch(step: int, dims: tuple[int, ...], sharded: bool) -> list[torch.Tensor]:
+def _batch(step: int, dims: tuple[int, ...], sharded: bool) -> Batch:
     """The step's global batch (every rank's rows), or this rank's rows of it."""
-    world = dist.get_world_size()
-    per_rank = []
-    for rank in range(world):
-        gen = torch.Generator().manual_seed(1000 * step + rank)
-        per_rank.append([torch.randn(ROWS, d, generator=gen) for d in dims])
+
+    def make(gen: torch.Generator, rows: int) -> Batch:
+        return tuple(torch.randn(rows, d, generator=gen) for d in dims)
+
     if sharded:
-        return per_rank[dist.get_rank()]
-    return [torch.cat(parts) for parts in zip(*per_rank, strict=True)]
+        return local_batch(make, step, 0, dist.get_rank())
+    return global_batch(make, step, 0, dist.get_world_size())
 
 
 def _gan(models: Callable[..., nn.Module], sharded: bool) -> list[torch.Tensor]:
@@ -113,13 +113,10 @@ def _sharded_vs_plain(case: str, impl: str) -> None:
 
     sharded = CASES[case](sharded_mlp, True)
     plain = CASES[case](_mlp, False)
-    world = dist.get_world_size()
     num_losses = len(sharded) - sum(isinstance(t, nn.Parameter) for t in sharded)
     for i, (mine, ref) in enumerate(zip(sharded, plain, strict=True)):
         if i < num_losses:  # this rank's mean over its rows; the global mean is their mean
-            mine = mine.clone()
-            dist.all_reduce(mine)
-            mine = mine / world
+            mine = mean_over_ranks(mine)
             what = f"loss {i}"
         else:
             what = f"parameter {i - num_losses}"

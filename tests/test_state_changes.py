@@ -472,17 +472,21 @@ class _HalfDoubleNet(nn.Module):
         return F.mse_loss(x, y.to(x.dtype))
 
 
+def _images(gen: torch.Generator, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(rows, 3, 5, 5, generator=gen), torch.randn(rows, 4, generator=gen)
+
+
 CONVERSIONS = {
     # name: (model, batch of `rows` rows from `gen`, conversion, when it is applied)
     "channels_last_before_sharding": (
         _ConvNet,
-        lambda gen, rows: (torch.randn(rows, 3, 5, 5, generator=gen), torch.randn(rows, 4)),
+        _images,
         lambda m: m.to(memory_format=torch.channels_last),
         "before",
     ),
     "channels_last_after_sharding": (
         _ConvNet,
-        lambda gen, rows: (torch.randn(rows, 3, 5, 5, generator=gen), torch.randn(rows, 4)),
+        _images,
         lambda m: m.to(memory_format=torch.channels_last),
         "after",
     ),
@@ -495,7 +499,10 @@ CONVERSIONS = {
     ),
     "double_with_a_double_already": (
         _HalfDoubleNet,
-        lambda gen, rows: (torch.randn(rows, 6, generator=gen), torch.randn(rows, 6)),
+        lambda gen, rows: (
+            torch.randn(rows, 6, generator=gen),
+            torch.randn(rows, 6, generator=gen),
+        ),
         lambda m: m.double(),
         "after",
     ),
