@@ -72,13 +72,24 @@ class RemoteError(Exception):
     """A rank function raised; the message carries that rank's traceback text."""
 
 
+class RankCrash(RuntimeError):
+    """A rank process was killed by a signal (a native crash such as SIGSEGV), not a Python
+    error: ``crashed`` maps each such rank to its log tail (faulthandler's stacks)."""
+
+    def __init__(self, message: str, crashed: dict[int, str]) -> None:
+        super().__init__(message)
+        self.crashed = crashed
+
+
 def _worker_main(rank: int, world_size: int, init_file: str, log_path: str, conn: Any) -> None:
     # Everything a rank prints (including C++ aborts) goes to its log, shown on failure.
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
-    # On timeout the parent sends SIGUSR1 to get every thread's Python stack in the log.
+    # On timeout the parent sends SIGUSR1 to get every thread's Python stack in the log; a
+    # crash (SIGSEGV, SIGABRT, ...) writes them there too, so a dead rank says where it died.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    faulthandler.enable(all_threads=True)
 
     import torch
     import torch.distributed as dist
@@ -183,7 +194,11 @@ class RankPool:
         )
         if dead:
             codes = ", ".join(f"rank {r} exited with code {self._procs[r].exitcode}" for r in dead)
-            raise RuntimeError(f"{codes} while running {_qualname(fn)}{failures}\n{self._logs()}")
+            message = f"{codes} while running {_qualname(fn)}{failures}\n{self._logs()}"
+            crashed = {r: self._log_tail(r) for r in dead if (self._procs[r].exitcode or 0) < 0}
+            if crashed:
+                raise RankCrash(message, crashed)
+            raise RuntimeError(message)
         if errors:
             raise RemoteError(failures.lstrip("\n"))
         return [results[r] for r in range(self.world_size)]
@@ -250,14 +265,17 @@ class RankPool:
         time.sleep(0.5)  # let faulthandler write the stacks
         return self._logs()
 
+    def _log_tail(self, rank: int) -> str:
+        try:
+            with open(self._log_paths[rank], errors="replace") as f:
+                return f.read()[-_LOG_TAIL_CHARS:]
+        except FileNotFoundError:
+            return ""
+
     def _logs(self) -> str:
         parts = []
-        for rank, path in enumerate(self._log_paths):
-            try:
-                with open(path, errors="replace") as f:
-                    text = f.read()[-_LOG_TAIL_CHARS:]
-            except FileNotFoundError:
-                text = ""
+        for rank in range(self.world_size):
+            text = self._log_tail(rank)
             if text.strip():
                 parts.append(f"----- rank {rank} log (tail) -----\n{text}")
         return "\n".join(parts)
@@ -316,9 +334,39 @@ def run_on_ranks(
     pool = get_pool(world_size)
     try:
         return pool.run(fn, task, timeout)
+    except RankCrash as crash:
+        discard_pool(world_size)
+        if not RETRY_CRASHES:
+            raise
+        # A native crash of a long-lived rank process, once in several full runs and never
+        # reproduced alone (also inside torch's own fully_shard): run the test again, once, in
+        # fresh processes. It must pass again in full, and the crash is reported at the end of
+        # the session with its stacks (`crash_report`), never dropped.
+        CRASHES.append((os.environ.get("PYTEST_CURRENT_TEST", _qualname(fn)), crash.crashed))
+        try:
+            return get_pool(world_size).run(fn, task, timeout)
+        except BaseException:
+            discard_pool(world_size)
+            raise
     except BaseException:
         discard_pool(world_size)
         raise
+
+
+# A rank killed by a signal gets one retry in a fresh pool (FSDP2_TEST_RETRY_CRASHES=0: none).
+RETRY_CRASHES = os.environ.get("FSDP2_TEST_RETRY_CRASHES", "1") != "0"
+# (test, {rank: log tail}) for every crash retried this session.
+CRASHES: list[tuple[str, dict[int, str]]] = []
+
+
+def crash_report() -> str:
+    """The crashes retried this session, with each crashed rank's log tail."""
+    lines = []
+    for test, crashed in CRASHES:
+        for rank, tail in crashed.items():
+            lines.append(f"--- {test}: rank {rank} crashed (retried in fresh processes) ---")
+            lines.append(tail.rstrip() or "(empty log)")
+    return "\n".join(lines)
 
 
 def init_local_process_group() -> None:

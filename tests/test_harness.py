@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import RemoteError, get_pool, run_on_ranks
+from tests import harness
+from tests.harness import RankCrash, RemoteError, get_pool, run_on_ranks
 
 
 def _whoami(tag: str) -> tuple[int, int, str, float]:
@@ -39,6 +42,16 @@ def _crash_rank_1() -> None:
     if dist.get_rank() == 1:
         os._exit(3)
     dist.barrier()
+
+
+def _segfault_rank_1(marker: str | None) -> int:
+    """Rank 1 dies of SIGSEGV: every time, or (with ``marker``) only until the marker exists."""
+    if dist.get_rank() == 1 and (marker is None or not Path(marker).exists()):
+        if marker is not None:
+            Path(marker).touch()
+        os.kill(os.getpid(), signal.SIGSEGV)
+    dist.barrier()
+    return dist.get_rank()
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -81,6 +94,30 @@ def test_crashed_rank_is_reported() -> None:
     with pytest.raises(RuntimeError, match="rank 1 exited with code 3"):
         run_on_ranks(2, _crash_rank_1, timeout=30.0)
     assert run_on_ranks(2, _whoami, "after crash")[1][2] == "after crash"
+
+
+def test_a_native_crash_is_retried_once_and_reported(tmp_path: Path) -> None:
+    before = len(harness.CRASHES)
+    try:
+        assert run_on_ranks(2, _segfault_rank_1, str(tmp_path / "crashed"), timeout=30.0) == [0, 1]
+        [(test, crashed)] = harness.CRASHES[before:]
+        assert "test_a_native_crash_is_retried_once_and_reported" in test
+        assert list(crashed) == [1]
+        # faulthandler's stack of the crashed rank: where it died, for the session's summary
+        assert "Segmentation fault" in crashed[1] and "_segfault_rank_1" in crashed[1]
+        assert "_segfault_rank_1" in harness.crash_report()
+    finally:
+        del harness.CRASHES[before:]  # a deliberate crash, not one to report
+
+
+def test_a_native_crash_that_recurs_fails() -> None:
+    before = len(harness.CRASHES)
+    try:
+        with pytest.raises(RankCrash, match="rank 1 exited with code -11"):
+            run_on_ranks(2, _segfault_rank_1, None, timeout=30.0)
+    finally:
+        del harness.CRASHES[before:]
+    assert run_on_ranks(2, _whoami, "after crashes")[1][2] == "after crashes"
 
 
 def test_unpicklable_function_keeps_the_pool() -> None:
