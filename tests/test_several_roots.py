@@ -1,6 +1,7 @@
 """Several sharded models in one training step, each its own root: a GAN (the discriminator's
 backward runs into the generator's graph), distillation from a frozen sharded teacher under
-``no_grad``, and an encoder and decoder sharded apart and trained by one loss.
+``no_grad``, an encoder and decoder sharded apart and trained by one loss, and an exponential
+moving average of the weights updated in place and evaluated under ``no_grad``.
 
 Each root finds itself lazily, gathers and reduces its own groups, and must finish its own
 backward even when the backward started in another root's graph. Parity with the same models
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from tests.dp_parity import global_batch, local_batch, mean_over_ranks
-from tests.harness import IMPL_UNDER_TEST, fsdp_api, run_on_ranks
+from tests.harness import IMPL_UNDER_TEST, RemoteError, fsdp_api, run_on_ranks
 from tests.models import Batch
 from tests.tolerance import FP32_ATOL, FP32_RTOL
 
@@ -98,7 +99,28 @@ def _encoder_decoder(models: Callable[..., nn.Module], sharded: bool) -> list[to
     return losses + list(encoder.parameters()) + list(decoder.parameters())
 
 
-CASES = {"gan": _gan, "distill": _distill, "encoder_decoder": _encoder_decoder}
+def _ema(models: Callable[..., nn.Module], sharded: bool) -> list[torch.Tensor]:
+    """An exponential moving average of the weights, as diffusion and vision recipes keep it: a
+    second model, sharded alike, updated in place outside any optimizer (what
+    ``AveragedModel``'s ``get_ema_multi_avg_fn`` does) and evaluated under ``no_grad``. Its next
+    forward must gather the updated shards, never a copy kept from the last one."""
+    model, ema = models(8, 4, 1), models(8, 4, 1)  # same seed: the average starts as the model
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        x, y = _batch(step, (8, 4), sharded)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            torch._foreach_lerp_(list(ema.parameters()), list(model.parameters()), 1 - EMA_DECAY)
+            losses += [loss.detach(), F.mse_loss(ema(x), y)]
+    return losses + list(model.parameters()) + list(ema.parameters())
+
+
+EMA_DECAY = 0.5  # large steps: an average left a step behind moves the eval loss visibly
+CASES = {"gan": _gan, "distill": _distill, "encoder_decoder": _encoder_decoder, "ema": _ema}
 
 
 def _sharded_vs_plain(case: str, impl: str) -> None:
@@ -132,7 +154,23 @@ def _sharded_vs_plain(case: str, impl: str) -> None:
         )
 
 
-@pytest.mark.parametrize("impl", sorted({IMPL_UNDER_TEST, "torch"}))
-@pytest.mark.parametrize("case", list(CASES))
+# torch keeps a root gathered after a forward under no_grad, so the average's root parameters
+# are plain full tensors when the next update pairs them with the model's DTensors.
+_TORCH_EMA = pytest.mark.xfail(
+    reason="torch leaves the average's root gathered after its no_grad forward: "
+    "_foreach_lerp_ then mixes torch.Tensor and DTensor",
+    raises=RemoteError,
+    strict=True,
+)
+
+
+@pytest.mark.parametrize(
+    ("case", "impl"),
+    [
+        pytest.param(case, impl, marks=_TORCH_EMA if (case, impl) == ("ema", "torch") else ())
+        for case in CASES
+        for impl in sorted({IMPL_UNDER_TEST, "torch"})
+    ],
+)
 def test_several_roots_train_like_plain_models(case: str, impl: str) -> None:
     run_on_ranks(2, _sharded_vs_plain, case, impl)
