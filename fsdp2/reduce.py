@@ -158,8 +158,11 @@ class GradientReduction:
     _expected: int
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
-        if param.grad is not None and param.grad.requires_grad:
+        grad = param.grad
+        if grad is not None and grad.requires_grad:
             self._refuse_grad_graph(param)
+        if grad is not None and grad.layout is not torch.strided:
+            self._refuse_sparse_grad(param, grad.layout)
         task = torch._C._current_graph_task_id()
         if self.backward_task not in (-1, task):
             return  # a nested graph task inside this group's backward: see the note above
@@ -189,6 +192,16 @@ class GradientReduction:
             # torch.autograd.grad() asked for an unsharded parameter's gradient: the engine
             # refuses the question, and runs no AccumulateGrad node for such an input.
             return 0
+
+    def _refuse_sparse_grad(self, param: torch.Tensor, layout: torch.layout) -> None:
+        fqn = next((p.fqn for p in self.trainable if p.unsharded_param is param), "?")
+        raise RuntimeError(
+            f"fsdp2: {fqn} got a gradient of layout {layout}, but sharded gradients are "
+            "reduce-scattered as dense tensors. A sparse gradient comes from "
+            "nn.Embedding(..., sparse=True) or nn.EmbeddingBag(..., sparse=True): build the module "
+            "with sparse=False (the default), or set module.sparse = False; sharding already "
+            "spreads the embedding's memory over the ranks"
+        )
 
     def _refuse_grad_graph(self, param: torch.Tensor) -> None:
         fqn = next((p.fqn for p in self.trainable if p.unsharded_param is param), "?")

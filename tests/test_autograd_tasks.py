@@ -248,6 +248,41 @@ class TestCreateGraphError(expecttest.TestCase):
         )
 
 
+def _sparse_embedding() -> str:
+    """``nn.Embedding(sparse=True)`` gives a sparse gradient, which no reduce-scatter takes: a
+    clear error on every rank, and after ``sparse = False`` the same step trains as unsharded."""
+    import torch.distributed as dist
+
+    from fsdp2 import fully_shard
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 2))
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+    model.load_state_dict(ref.state_dict())
+    fully_shard(model[0])
+    fully_shard(model)
+    tokens = torch.randint(10, (2, 6), generator=torch.Generator().manual_seed(1))
+    mine = tokens[dist.get_rank()]
+    text = raised(lambda: model(mine).mean().backward())
+    model[0].sparse = False
+    model(mine).mean().backward()  # each rank's mean; the reduction averages them
+    ref(tokens).mean().backward()
+    for (name, p), ref_p in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert isinstance(p.grad, DTensor), name
+        close(f"{name}.grad", p.grad.full_tensor(), ref_p.grad)
+    return text
+
+
+class TestSparseGradError(expecttest.TestCase):
+    def test_sparse_embedding_gradient(self) -> None:
+        texts = run_on_ranks(2, _sparse_embedding)
+        assert texts[0] == texts[1]  # every rank raises alike
+        self.assertExpectedInline(
+            texts[0],
+            """RuntimeError: fsdp2: 0.weight got a gradient of layout torch.sparse_coo, but sharded gradients are reduce-scattered as dense tensors. A sparse gradient comes from nn.Embedding(..., sparse=True) or nn.EmbeddingBag(..., sparse=True): build the module with sparse=False (the default), or set module.sparse = False; sharding already spreads the embedding's memory over the ranks""",
+        )
+
+
 # ---------------------------------------------------------------------------------------------
 # Forward mode
 # ---------------------------------------------------------------------------------------------
