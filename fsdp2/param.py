@@ -220,7 +220,7 @@ class FSDPParam:
             shape=self.global_shape,
             stride=self.stride,
         )
-        return nn.Parameter(dtensor, requires_grad=requires_grad)
+        return dtensor_parameter(dtensor, requires_grad)
 
     def _wrapper_shard(self, device: torch.device, full: torch.Tensor | None) -> torch.Tensor:
         """A wrapper subclass's shard: this rank's rows of ``full`` cut through the subclass (so
@@ -243,9 +243,11 @@ class FSDPParam:
         start, as a contiguous tensor of the full shape."""
         start = world * self.gather_offset
         view = typed(unsharded_flat, start, self.numel, self.param_dtype).view(self.shape)
-        if self.outer_spec is not None:
-            view = DTensor(view, self.outer_spec, requires_grad=False)  # type: ignore[no-untyped-call]
-        self.adopt_unsharded(nn.Parameter(view, requires_grad=self.requires_grad))
+        if self.outer_spec is None:
+            self.adopt_unsharded(nn.Parameter(view, requires_grad=self.requires_grad))
+        else:
+            tp_view = DTensor(view, self.outer_spec, requires_grad=False)  # type: ignore[no-untyped-call]
+            self.adopt_unsharded(dtensor_parameter(tp_view, self.requires_grad))
 
     def adopt_unsharded(self, param: nn.Parameter) -> None:
         """Make ``param`` the unsharded parameter, hooked for gradient readiness."""
@@ -375,6 +377,30 @@ class FSDPParam:
 
     def __repr__(self) -> str:
         return f"FSDPParam({self.fqn}, shape={tuple(self.shape)}, chunk={self.chunk_numel})"
+
+
+def dtensor_parameter(dtensor: DTensor, requires_grad: bool) -> nn.Parameter:
+    """``nn.Parameter(dtensor)`` on ``dtensor``'s own mesh object.
+
+    nn.Parameter detaches a DTensor through sharding propagation, whose caches compare meshes by
+    ranks and dim names, not by process group. The parameter can come back on an equal mesh of
+    an earlier group, destroyed since (a notebook that re-initialises, a job that rebuilds its
+    groups over the same ranks): every DTensor op on it or on what is computed from it
+    (``full_tensor``, ``state_dict``, gradient clipping) would then fail to resolve that group.
+    Where that happens, the caches are cleared, so that what follows is computed on this mesh."""
+    param = nn.Parameter(dtensor, requires_grad=requires_grad)
+    if param._spec.mesh is not dtensor._spec.mesh:  # type: ignore[attr-defined]
+        _clear_dtensor_caches()
+        param._spec = dtensor._spec  # type: ignore[attr-defined]
+    return param
+
+
+def _clear_dtensor_caches() -> None:
+    """Forget every op's cached sharding: Python's cache and the C++ dispatch fast path's."""
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()  # type: ignore[no-untyped-call]
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:  # torch releases without the C++ fast path lack it
+        clear_native()
 
 
 def own_storage(piece: torch.Tensor) -> torch.Tensor:

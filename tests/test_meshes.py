@@ -35,7 +35,13 @@ from tests.dp_parity import (
     train_side_by_side,
 )
 from tests.errors import error_text, raised
-from tests.harness import fsdp_api, init_local_process_group, run_on_ranks
+from tests.harness import (
+    RemoteError,
+    discard_pool,
+    fsdp_api,
+    init_local_process_group,
+    run_on_ranks,
+)
 from tests.models import MODELS, MLPStack, build_model
 from tests.parity import ADAM_EPS, LR, WEIGHT_DECAY
 from tests.tolerance import PARAM_ATOL, assert_fp32_close
@@ -470,3 +476,67 @@ def test_dp_mesh_dims_flattens_several_shard_dims(unflattened: bool) -> None:
     assert placements == "(Shard(dim=0), Shard(dim=0))", placements
     assert local_shape == "(4, 8)", local_shape  # 16 rows over 2 x 2 ranks
     assert uneven.startswith("NotImplementedError: weight: dim 0 of size 6 does not split"), uneven
+
+
+# ---------------------------------------------------------------------------------------------
+# Process groups rebuilt over the same ranks
+# ---------------------------------------------------------------------------------------------
+
+
+def _rebuilt_group(impl: str) -> list[float]:
+    """A job (or a notebook) that destroys its group and shards a new model over a new group of
+    the same ranks. DTensor's op cache compares meshes by ranks and names, so ``nn.Parameter``
+    hands back the first mesh, whose group is gone: every DTensor op on the new parameters
+    (``full_tensor``, ``state_dict``, clipping) fails to resolve it, unless the sharded
+    parameters keep the mesh they were sharded over."""
+    api = fsdp_api(impl)
+    old = dist.new_group([0, 1])
+    first, _ = mlp_pair()
+    shard_mlp(
+        first, api.fully_shard, mesh=DeviceMesh.from_group(old, "cpu", mesh_dim_names=("dp",))
+    )
+    first(*local_batch(MLP_BATCH, 0, 0, dist.get_rank())).backward()
+    del first
+    dist.barrier(old)  # every rank done with it before it closes (gloo's sockets)
+    dist.destroy_process_group(old)
+
+    new = dist.new_group([0, 1])
+    mesh = DeviceMesh.from_group(new, "cpu", mesh_dim_names=("dp",))
+    model, ref = mlp_pair()
+    shard_mlp(model, api.fully_shard, mesh=mesh)
+    assert all(p.device_mesh is mesh for p in model.parameters())
+    # The parity helper compares full_tensor()s of the gradients and parameters.
+    result = train_side_by_side(model, ref, MLP_BATCH, dp_rank=dist.get_rank(), dp_size=2)
+    full_state = {k: full(v) for k, v in model.state_dict().items()}
+    for k, v in ref.state_dict().items():
+        assert_fp32_close(full_state[k], v, atol=PARAM_ATOL, msg=k)
+    model(*local_batch(MLP_BATCH, 3, 0, dist.get_rank())).backward()
+    ref(*global_batch(MLP_BATCH, 3, 0, 2)).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # an all-reduce on the mesh
+    assert_fp32_close(full(norm), torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9))
+    return result.losses
+
+
+@pytest.mark.parametrize(
+    "impl",
+    [
+        "fsdp2",
+        pytest.param(
+            "torch",
+            marks=pytest.mark.xfail(
+                reason="torch's parameters come back on the destroyed group's mesh",
+                raises=RemoteError,
+                strict=True,
+            ),
+        ),
+    ],
+)
+def test_a_group_rebuilt_over_the_same_ranks(impl: str) -> None:
+    # Fresh processes before and after: DTensor's cache keeps the destroyed group's mesh for
+    # the life of the process, and would hand it to later tests' parameters.
+    discard_pool(2)
+    try:
+        losses = run_on_ranks(2, _rebuilt_group, impl)
+    finally:
+        discard_pool(2)
+    assert losses[0] == losses[1]
