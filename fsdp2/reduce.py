@@ -159,10 +159,8 @@ class GradientReduction:
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         grad = param.grad
-        if grad is not None and grad.requires_grad:
-            self._refuse_grad_graph(param)
-        if grad is not None and grad.layout is not torch.strided:
-            self._refuse_sparse_grad(param, grad.layout)
+        if grad is not None and (grad.requires_grad or grad.layout is not torch.strided):
+            self._refuse_grad(param, grad)
         task = torch._C._current_graph_task_id()
         if self.backward_task not in (-1, task):
             return  # a nested graph task inside this group's backward: see the note above
@@ -193,18 +191,17 @@ class GradientReduction:
             # refuses the question, and runs no AccumulateGrad node for such an input.
             return 0
 
-    def _refuse_sparse_grad(self, param: torch.Tensor, layout: torch.layout) -> None:
+    def _refuse_grad(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """Raise for a gradient no reduce-scatter can take: one with a graph, or a sparse one."""
         fqn = next((p.fqn for p in self.trainable if p.unsharded_param is param), "?")
-        raise RuntimeError(
-            f"fsdp2: {fqn} got a gradient of layout {layout}, but sharded gradients are "
-            "reduce-scattered as dense tensors. A sparse gradient comes from "
-            "nn.Embedding(..., sparse=True) or nn.EmbeddingBag(..., sparse=True): build the module "
-            "with sparse=False (the default), or set module.sparse = False; sharding already "
-            "spreads the embedding's memory over the ranks"
-        )
-
-    def _refuse_grad_graph(self, param: torch.Tensor) -> None:
-        fqn = next((p.fqn for p in self.trainable if p.unsharded_param is param), "?")
+        if not grad.requires_grad:
+            raise RuntimeError(
+                f"fsdp2: {fqn} got a gradient of layout {grad.layout}, but sharded gradients are "
+                "reduce-scattered as dense tensors. A sparse gradient comes from "
+                "nn.Embedding(..., sparse=True) or nn.EmbeddingBag(..., sparse=True): build the "
+                "module with sparse=False (the default), or set module.sparse = False; sharding "
+                "already spreads the embedding's memory over the ranks"
+            )
         raise RuntimeError(
             f"fsdp2: backward(create_graph=True) gave {fqn} a gradient that requires grad, but "
             "the reduce-scatter that shards it is not differentiable, so its higher-order terms "

@@ -238,16 +238,6 @@ def _create_graph_into_params() -> str:
     return text
 
 
-class TestCreateGraphError(expecttest.TestCase):
-    def test_backward_create_graph_into_sharded_params(self) -> None:
-        texts = run_on_ranks(2, _create_graph_into_params)
-        assert texts[0] == texts[1]  # every rank raises alike
-        self.assertExpectedInline(
-            texts[0],
-            """RuntimeError: fsdp2: backward(create_graph=True) gave head.bias a gradient that requires grad, but the reduce-scatter that shards it is not differentiable, so its higher-order terms would be lost. Take higher-order gradients with respect to tensors that are not sharded parameters (torch.autograd.grad(loss, inputs, create_graph=True), as in a gradient penalty), or compute them on an unsharded copy of the model""",
-        )
-
-
 def _sparse_embedding() -> str:
     """``nn.Embedding(sparse=True)`` gives a sparse gradient, which no reduce-scatter takes: a
     clear error on every rank, and after ``sparse = False`` the same step trains as unsharded."""
@@ -273,12 +263,21 @@ def _sparse_embedding() -> str:
     return text
 
 
-class TestSparseGradError(expecttest.TestCase):
-    def test_sparse_embedding_gradient(self) -> None:
-        texts = run_on_ranks(2, _sparse_embedding)
+class TestGradientErrors(expecttest.TestCase):
+    def _on_every_rank(self, fn: Any) -> str:
+        texts = run_on_ranks(2, fn)
         assert texts[0] == texts[1]  # every rank raises alike
+        return texts[0]
+
+    def test_backward_create_graph_into_sharded_params(self) -> None:
         self.assertExpectedInline(
-            texts[0],
+            self._on_every_rank(_create_graph_into_params),
+            """RuntimeError: fsdp2: backward(create_graph=True) gave head.bias a gradient that requires grad, but the reduce-scatter that shards it is not differentiable, so its higher-order terms would be lost. Take higher-order gradients with respect to tensors that are not sharded parameters (torch.autograd.grad(loss, inputs, create_graph=True), as in a gradient penalty), or compute them on an unsharded copy of the model""",
+        )
+
+    def test_sparse_embedding_gradient(self) -> None:
+        self.assertExpectedInline(
+            self._on_every_rank(_sparse_embedding),
             """RuntimeError: fsdp2: 0.weight got a gradient of layout torch.sparse_coo, but sharded gradients are reduce-scattered as dense tensors. A sparse gradient comes from nn.Embedding(..., sparse=True) or nn.EmbeddingBag(..., sparse=True): build the module with sparse=False (the default), or set module.sparse = False; sharding already spreads the embedding's memory over the ranks""",
         )
 
