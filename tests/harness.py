@@ -5,7 +5,8 @@ that lives for the whole session. A test calls ``run_on_ranks(world_size, fn, *a
 runs ``fn`` (a module-level function, pickled by reference) and the per-rank results come back in
 rank order. Any failure or timeout tears the pool down: a rank that raised may have left its peers
 blocked in a collective, and a failed gloo collective leaves the group unusable, so the next test
-gets a fresh pool.
+gets a fresh pool. A rank killed by a signal (a native crash) gets the call run once more in a
+fresh pool, and the crash, with its faulthandler stacks, reported at the end (`crash_report`).
 
 This file also holds the implementation switch (``fsdp2`` vs torch's own FSDP2) so that every test
 reaches the library through one seam.
