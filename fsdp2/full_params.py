@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fsdp2.module import state_of
-from fsdp2.param import FSDPParam, dtensor_parameter
+from fsdp2.param import FSDPParam, parameter
 from fsdp2.param_group import FSDPParamGroup
 from fsdp2.state import FSDPState, TrainingState
 
@@ -159,12 +159,7 @@ def _summon_group(
         for fsdp_param in group.fsdp_params:
             full = _gather(fsdp_param, group.device, offload_to_cpu)
             if keep:
-                requires_grad = fsdp_param.sharded_param.requires_grad
-                full_param = (
-                    dtensor_parameter(full, requires_grad)
-                    if isinstance(full, DTensor)
-                    else nn.Parameter(full, requires_grad=requires_grad)
-                )
+                full_param = parameter(full, fsdp_param.sharded_param.requires_grad)
                 fsdp_param.register(full_param)
                 fulls.append((fsdp_param, full_param))
         yield

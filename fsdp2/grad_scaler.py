@@ -8,9 +8,10 @@ gradient in the bucket is laid out like the first. Under fsdp2 it often is not: 
 is ``Replicate()`` (the flag then stays local), and with tensor parallelism the first gradient
 may live on the data-parallel mesh while later ones are split over tp as well. An overflow in one
 rank's shard then makes that rank skip the step while its peers take it, and the copies that
-should stay identical drift apart. This scaler checks each rank's local shards itself (DTensor's handler
-never runs, nor its per-bucket all-reduces) and max-reduces the flag over one process group that
-spans every rank of the model (default: the world): one scalar all-reduce per ``unscale_``.
+should stay identical drift apart. This scaler checks each rank's local shards itself
+(DTensor's handler never runs, nor its per-bucket all-reduces) and max-reduces the flag over one
+process group that spans every rank of the model (default: the world): one scalar all-reduce
+per ``unscale_``.
 """
 
 from __future__ import annotations

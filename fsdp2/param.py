@@ -220,7 +220,7 @@ class FSDPParam:
             shape=self.global_shape,
             stride=self.stride,
         )
-        return dtensor_parameter(dtensor, requires_grad)
+        return parameter(dtensor, requires_grad)
 
     def _wrapper_shard(self, device: torch.device, full: torch.Tensor | None) -> torch.Tensor:
         """A wrapper subclass's shard: this rank's rows of ``full`` cut through the subclass (so
@@ -243,11 +243,9 @@ class FSDPParam:
         start, as a contiguous tensor of the full shape."""
         start = world * self.gather_offset
         view = typed(unsharded_flat, start, self.numel, self.param_dtype).view(self.shape)
-        if self.outer_spec is None:
-            self.adopt_unsharded(nn.Parameter(view, requires_grad=self.requires_grad))
-        else:
-            tp_view = DTensor(view, self.outer_spec, requires_grad=False)  # type: ignore[no-untyped-call]
-            self.adopt_unsharded(dtensor_parameter(tp_view, self.requires_grad))
+        if self.outer_spec is not None:
+            view = DTensor(view, self.outer_spec, requires_grad=False)  # type: ignore[no-untyped-call]
+        self.adopt_unsharded(parameter(view, self.requires_grad))
 
     def adopt_unsharded(self, param: nn.Parameter) -> None:
         """Make ``param`` the unsharded parameter, hooked for gradient readiness."""
@@ -379,8 +377,8 @@ class FSDPParam:
         return f"FSDPParam({self.fqn}, shape={tuple(self.shape)}, chunk={self.chunk_numel})"
 
 
-def dtensor_parameter(dtensor: DTensor, requires_grad: bool) -> nn.Parameter:
-    """``nn.Parameter(dtensor)`` on ``dtensor``'s own mesh object.
+def parameter(tensor: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+    """``nn.Parameter(tensor)``; a DTensor keeps its own mesh object.
 
     nn.Parameter detaches a DTensor through sharding propagation, whose caches compare meshes by
     ranks and dim names, not by process group. The parameter can come back on an equal mesh of
@@ -388,10 +386,10 @@ def dtensor_parameter(dtensor: DTensor, requires_grad: bool) -> nn.Parameter:
     groups over the same ranks): every DTensor op on it or on what is computed from it
     (``full_tensor``, ``state_dict``, gradient clipping) would then fail to resolve that group.
     Where that happens, the caches are cleared, so that what follows is computed on this mesh."""
-    param = nn.Parameter(dtensor, requires_grad=requires_grad)
-    if param._spec.mesh is not dtensor._spec.mesh:  # type: ignore[attr-defined]
+    param = nn.Parameter(tensor, requires_grad=requires_grad)
+    if isinstance(tensor, DTensor) and param._spec.mesh is not tensor._spec.mesh:  # type: ignore[attr-defined]
         _clear_dtensor_caches()
-        param._spec = dtensor._spec  # type: ignore[attr-defined]
+        param._spec = tensor._spec  # type: ignore[attr-defined]
     return param
 
 

@@ -74,9 +74,7 @@ def build(group: dist.ProcessGroup | None = None, gated: bool = False) -> Stack:
     fully_shard = fsdp_api("fsdp2").fully_shard
     torch.manual_seed(0)
     model = Stack(gated)
-    # Not the parameters' device_mesh.get_group(): DTensor's caches hand back an equal mesh of
-    # an earlier group over the same ranks (meshes compare by ranks, not by group).
-    model.group = group
+    model.group = group  # for the scenarios' own collectives (the scaler's)
     mesh = None if group is None else DeviceMesh.from_group(group, "cpu")
     for module in [*model.blocks, *model.experts, model.long_context, model.gated]:
         if module is not None:
