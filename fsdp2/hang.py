@@ -15,6 +15,16 @@ blocking (``store.check`` first, so a dead rank costs nothing) and raises
 :class:`CollectiveTimeoutError`: per rank, whether it issued the collective, what it issued
 instead, and what it was last seen doing.
 
+A rank's state is per rank, not per process: on torch's multi-threaded process group the ranks
+are threads of one process, each with its own ring, counts and store entry. At interpreter exit
+a rank publishes that it exited, so a peer still waiting for it can say so.
+
+Backends without a deadline (``waiting.py``): where a process group's works reject a finite
+``wait(timeout)`` (torch's threaded process group, many out-of-tree backends), fsdp2 waits
+without one; the publisher thread then logs the report once a wait passes the deadline, and the
+backend's own timeout ends it. Any error the backend raises from a wait (gloo's "Connection closed
+by peer" when a rank exited) becomes :class:`CollectiveFailedError`, with the same per-rank lines.
+
 CUDA: NCCL's ``work.wait()`` only makes the current stream wait; the host never blocks there,
 so no deadline applies and the report is not raised (NCCL's own watchdog ends the job at the
 process group's timeout). The entries are still published, and :func:`describe_ranks` reads them.
@@ -384,11 +394,23 @@ def _failure(event: Event, phase: str, error: Exception) -> str:
     return (
         f"fsdp2: rank {event.rank.rank} was waiting for {what} on the process group of ranks "
         f"{ranks} when the backend raised {type(error).__name__}: {said}\n{where}"
+        f"{_failure_cause(said)} The process group is unusable now: abort the job on every rank."
+    )
+
+
+def _failure_cause(said: str) -> str:
+    if "timed out" in said.lower():  # the backend's own timeout, on a wait fsdp2 could not bound
+        return (
+            "Likely cause: the backend's own timeout passed (its works take no finite timeout, "
+            "so FSDP2_COLLECTIVE_TIMEOUT could not end the wait sooner): a rank MISSING from "
+            "this collective skipped that module, raised, or never started the step."
+        )
+    return (
         "Likely cause: a peer rank is gone. A rank whose process EXITED ended its training loop "
         "before the others (e.g. its data loader ran out of batches first); one that published "
         "nothing more may have crashed (see its own log). Fix: give every rank the same number "
         "of batches (DistributedSampler(..., drop_last=True), or stop every rank's loop when "
-        "one runs out). The process group is unusable now: abort the job on every rank."
+        "one runs out)."
     )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import threading
 import traceback
@@ -22,6 +23,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import expecttest
 import pytest
 import torch
 import torch.distributed as dist
@@ -29,6 +31,7 @@ import torch.distributed as dist
 if __package__ in (None, ""):  # run as a script by torchrun: make `tests` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tests.hang_scenarios import normalise
 from tests.harness import IMPL_UNDER_TEST, launch, run_on_ranks
 from tests.parity import ParityConfig
 
@@ -39,7 +42,9 @@ from tests.parity import ParityConfig
 _build_lock = threading.Lock()
 
 
-def run_on_threads(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float) -> list[Any]:
+def run_on_threads(
+    world_size: int, fn: Callable[..., Any], *args: Any, timeout: float
+) -> list[Any]:
     """``fn(*args)`` on ``world_size`` threads of this process, each a rank of torch's
     multi-threaded process group (as torch's ``MultiThreadedTestCase`` sets it up); per-rank
     results in rank order. A rank that raises wakes the others (their collectives exit) and its
@@ -229,26 +234,66 @@ def _create_untimed_gloo(
 
 
 def _main() -> None:
-    """Under torchrun: parity of ``argv``'s models on the ``untimed_gloo`` backend; prints one
-    JSON line per model and rank (argv: the implementation, then the models)."""
-    from tests.parity import run_parity
-
+    """Under torchrun, on the ``untimed_gloo`` backend. ``parity IMPL MODEL...``: the parity run
+    of each model, one JSON line per model and rank. ``hang``: rank 1 skips a step; rank 0
+    prints one JSON line: what fsdp2 logged, what ended its step, and when."""
     torch.set_num_threads(1)
     dist.Backend.register_backend(BACKEND, _create_untimed_gloo, devices=["cpu"])
+    mode, *args = sys.argv[1:]
+    if mode == "parity":
+        _parity_main(*args)
+    else:
+        _hang_main()
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter teardown (gloo may abort in static destructors)
+
+
+def _parity_main(impl: str, *models: str) -> None:
+    from tests.parity import run_parity
+
     dist.init_process_group(BACKEND)
-    impl, *models = sys.argv[1:]
     for model in models:
         result = run_parity(ParityConfig(model=model, impl=impl))
         line = {"rank": dist.get_rank(), "model": model, "losses": result["losses"]}
         sys.stdout.write(json.dumps(line) + "\n")  # one write: the ranks share stdout
         sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip interpreter teardown (gloo may abort in static destructors)
+
+
+HANG_TIMEOUT_S, BACKEND_TIMEOUT_S = 1.5, 8.0  # FSDP2_COLLECTIVE_TIMEOUT, the group's own
+
+
+def _hang_main() -> None:
+    import logging
+    import time
+
+    from tests.hang_scenarios import _step, build, outcome
+
+    os.environ["FSDP2_COLLECTIVE_TIMEOUT"] = str(HANG_TIMEOUT_S)
+    dist.init_process_group(BACKEND, timeout=timedelta(seconds=BACKEND_TIMEOUT_S))
+    logged: list[tuple[float, str]] = []  # (when, message)
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            logged.append((time.monotonic(), record.getMessage()))
+
+    logging.getLogger("fsdp2").addHandler(Keep(logging.INFO))
+    logging.getLogger("fsdp2").setLevel(logging.INFO)
+    model = build()
+    _step(model, 0)
+    if dist.get_rank() == 1:  # skips step 1, and stays (its connections open) past the timeout
+        time.sleep(BACKEND_TIMEOUT_S + 4)
+        return
+    start = time.monotonic()
+    text = outcome(lambda: _step(model, 1))
+    seconds = time.monotonic() - start
+    line = {"logged": [(t - start, m) for t, m in logged], "outcome": text, "seconds": seconds}
+    sys.stdout.write(json.dumps(line) + "\n")
+    sys.stdout.flush()
 
 
 def test_parity_on_backend_without_timed_waits() -> None:
     models = ["mlp", "gpt", "unused"]
-    proc = launch(__file__, 2, IMPL_UNDER_TEST, *models, timeout=240)
+    proc = launch(__file__, 2, "parity", IMPL_UNDER_TEST, *models, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert sorted((x["model"], x["rank"]) for x in lines) == sorted(
@@ -261,3 +306,40 @@ def test_parity_on_backend_without_timed_waits() -> None:
 
 if __name__ == "__main__":
     _main()
+
+
+class TestHangWithoutDeadline(expecttest.TestCase):
+    def test_report_logged_at_the_deadline(self) -> None:
+        """On a backend without timed waits, a rank that skips a step leaves its peer in an
+        untimed wait: the hang report is logged at FSDP2_COLLECTIVE_TIMEOUT, and the backend's
+        own timeout ends the wait, as CollectiveFailedError with the same per-rank lines."""
+        proc = launch(__file__, 2, "hang", timeout=120)
+        lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        assert len(lines) == 1, proc.stdout + proc.stderr
+        (line,) = lines
+        reports = [(t, m) for t, m in line["logged"] if "FSDP2_COLLECTIVE_TIMEOUT) for" in m]
+        assert len(reports) == 1, line["logged"]
+        when, report = reports[0]
+        assert HANG_TIMEOUT_S <= when < BACKEND_TIMEOUT_S, line["logged"]
+        assert BACKEND_TIMEOUT_S <= line["seconds"] < BACKEND_TIMEOUT_S + 5, line
+        self.assertExpectedInline(
+            normalise(report),
+            """\
+fsdp2: rank 0 waited N s (FSDP2_COLLECTIVE_TIMEOUT) for the all-gather #17 for `<root>` (18 elements, float32) on the process group of ranks [0, 1], and it has not finished.
+Where each rank is (from the c10d store):
+  rank 0 (this rank): blocked in it
+  rank 1: MISSING, issued only #0-#16 on this group; not in an fsdp2 collective (busy elsewhere, finished or raised); last seen N s ago issuing reduce-scatter #16 for `<root>` (36 elements, float32) [published N s ago]
+A rank MISSING from it skipped that module (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs or shapes), raised, or never started the step. A rank on a DIFFERENT collective got out of step earlier: collectives pair up by order, not by module, so earlier ones may have exchanged wrong data. The process group is unusable now (a collective is half done): abort the job on every rank. FSDP2_CHECK_COLLECTIVES=1 stops at the first collective where the ranks disagree, with both sides named.
+This backend's works reject a finite timeout: fsdp2 cannot end the wait, which goes on until the backend's own timeout.""",
+        )
+        # gloo's all-gather times out in a send or a receive, as timing goes.
+        outcome = re.sub(r"for (send|recv) operation", "for send/recv operation", line["outcome"])
+        self.assertExpectedInline(
+            normalise(outcome),
+            """\
+CollectiveFailedError: fsdp2: rank 0 was waiting for the all-gather #17 for `<root>` (18 elements, float32) on the process group of ranks [0, 1] when the backend raised RuntimeError: Timed out waiting 8000ms for send/recv operation to complete
+Where each rank is (from the c10d store):
+  rank 0 (this rank): waiting in it
+  rank 1: MISSING, issued only #0-#16 on this group; not in an fsdp2 collective (busy elsewhere, finished or raised); last seen N s ago issuing reduce-scatter #16 for `<root>` (36 elements, float32) [published N s ago]
+Likely cause: the backend's own timeout passed (its works take no finite timeout, so FSDP2_COLLECTIVE_TIMEOUT could not end the wait sooner): a rank MISSING from this collective skipped that module, raised, or never started the step. The process group is unusable now: abort the job on every rank.""",
+        )
