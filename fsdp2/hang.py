@@ -242,7 +242,11 @@ def _publish_loop() -> None:
         # Short naps, so that a timeout lowered at run time (tests) takes effect at once.
         interval = _interval()
         time.sleep(min(interval, 0.5))
-        for state in list(_states):
+        try:
+            states = list(_states)  # a rank thread may add one meanwhile: then, next time
+        except RuntimeError:
+            continue
+        for state in states:
             current = (state.ring[-1] if state.ring else None, state.waiting)
             if current != state.published and time.monotonic() - state.last >= interval:
                 state.publish()
