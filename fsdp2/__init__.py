@@ -12,7 +12,7 @@ from fsdp2.auto import AutoShardResult, auto_shard
 from fsdp2.checks import CollectiveMismatchError, set_collective_checks
 from fsdp2.full_params import summon_full_params
 from fsdp2.grad_scaler import ShardedGradScaler
-from fsdp2.hang import CollectiveTimeoutError
+from fsdp2.hang import CollectiveFailedError, CollectiveTimeoutError
 from fsdp2.planner import Plan, plan
 from fsdp2.policies import (
     CPUOffloadPolicy,
@@ -25,6 +25,7 @@ from fsdp2.swap import patch_torch_fsdp
 __all__ = [
     "AutoShardResult",
     "CPUOffloadPolicy",
+    "CollectiveFailedError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "DataParallelMeshDims",

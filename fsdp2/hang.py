@@ -15,6 +15,16 @@ blocking (``store.check`` first, so a dead rank costs nothing) and raises
 :class:`CollectiveTimeoutError`: per rank, whether it issued the collective, what it issued
 instead, and what it was last seen doing.
 
+A rank's state is per rank, not per process: on torch's multi-threaded process group the ranks
+are threads of one process, each with its own ring, counts and store entry. At interpreter exit
+a rank publishes that it exited, so a peer still waiting for it can say so.
+
+Backends without a deadline (``waiting.py``): where a process group's works reject a finite
+``wait(timeout)`` (torch's threaded process group, many out-of-tree backends), fsdp2 waits
+without one; the publisher thread then logs the report once a wait passes the deadline, and the
+backend's own timeout ends it. Any error the backend raises from a wait (gloo's "Connection closed
+by peer" when a rank exited) becomes :class:`CollectiveFailedError`, with the same per-rank lines.
+
 CUDA: NCCL's ``work.wait()`` only makes the current stream wait; the host never blocks there,
 so no deadline applies and the report is not raised (NCCL's own watchdog ends the job at the
 process group's timeout). The entries are still published, and :func:`describe_ranks` reads them.
@@ -22,18 +32,26 @@ process group's timeout). The entries are still published, and :func:`describe_r
 
 from __future__ import annotations
 
+import atexit
 import json
-import os
+import logging
+import re
+import sys
 import threading
 import time
+import weakref
 from collections import deque
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Store
+
+from fsdp2 import waiting as waits
+from fsdp2.waiting import timeout_s
 
 __all__ = [
+    "CollectiveFailedError",
     "CollectiveTimeoutError",
     "Event",
     "describe_ranks",
@@ -42,7 +60,8 @@ __all__ = [
     "wait",
 ]
 
-DEFAULT_TIMEOUT_S = 300.0
+logger = logging.getLogger("fsdp2")
+
 _RING = 8  # events kept per rank
 _PUBLISHED = 4  # of which the newest are published
 _KEY = "fsdp2/hang/rank{}"
@@ -58,13 +77,18 @@ class CollectiveTimeoutError(RuntimeError):
     """One of fsdp2's collectives did not finish within ``FSDP2_COLLECTIVE_TIMEOUT`` seconds."""
 
 
+class CollectiveFailedError(CollectiveTimeoutError):
+    """One of fsdp2's collectives failed before its deadline: the backend raised while this rank
+    waited (gloo's "Connection closed by peer": a peer rank exited or crashed)."""
+
+
 class Event:
     """One collective this rank issued."""
 
-    __slots__ = ("dtype", "group", "label", "numel", "op", "seq", "time")
+    __slots__ = ("dtype", "group", "label", "numel", "op", "rank", "seq", "time")
 
     def __init__(
-        self, op: str, label: str, tensor: torch.Tensor, group: dist.ProcessGroup, seq: int
+        self, op: str, label: str, tensor: torch.Tensor, group: dist.ProcessGroup, rank: _Rank
     ) -> None:
         self.op = op
         self.label = label  # comma-joined FQNs of the group's modules ("" for the root)
@@ -72,7 +96,10 @@ class Event:
         self.numel = tensor.numel() if op != "all_to_all" else -1
         self.dtype = tensor.dtype
         self.group = group
-        self.seq = seq  # this rank's collectives on ``group`` before this one
+        self.rank = rank  # the issuing rank's state
+        name = _name(group)
+        self.seq = rank.counts.get(name, 0)  # this rank's collectives on ``group`` before this one
+        rank.counts[name] = self.seq + 1
         self.time = time.time()
 
     def as_dict(self) -> dict[str, Any]:
@@ -87,11 +114,55 @@ class Event:
         }
 
 
-_ring: deque[Event] = deque(maxlen=_RING)
-# Collectives issued per process group, by name: keyed by the group itself, this would keep
-# every destroyed group alive.
-_counts: dict[str, int] = {}
-_waiting: tuple[Event, float] | None = None  # the collective this rank is blocked in, since when
+class _Rank:
+    """One rank's recent collectives and where it publishes them. One per process; one per
+    thread on torch's multi-threaded process group, whose ranks are threads of one process (a
+    module-level ring there would mix the ranks' collectives and their sequence numbers)."""
+
+    __slots__ = (
+        "__weakref__", "counts", "exited", "last", "published", "rank", "ring", "store",
+        "waiting", "warned",
+    )  # fmt: skip
+
+    def __init__(self, rank: int, store: Store | None) -> None:
+        self.rank = rank
+        self.store = store  # its world's store, kept: a report may outlive the default group
+        self.ring: deque[Event] = deque(maxlen=_RING)
+        # Collectives issued per process group, by name: keyed by the group itself, this would
+        # keep every destroyed group alive.
+        self.counts: dict[str, int] = {}
+        self.waiting: tuple[Event, float] | None = None  # the collective it is blocked in, since
+        self.exited: dict[str, Any] | None = None  # set at interpreter exit
+        self.published: tuple[object, object] | None = None  # what was last published, when
+        self.last = 0.0
+        self.warned: tuple[Event, float] | None = None  # the untimed wait last logged (_watch)
+
+    def entry(self) -> dict[str, Any]:
+        waiting = self.waiting
+        return {
+            "time": time.time(),
+            "counts": dict(self.counts),
+            "recent": [e.as_dict() for e in list(self.ring)[-_PUBLISHED:]],
+            "waiting": None if waiting is None else {**waiting[0].as_dict(), "since": waiting[1]},
+            "exited": self.exited,
+        }
+
+    def publish(self) -> None:
+        self.published = (self.ring[-1] if self.ring else None, self.waiting)
+        self.last = time.monotonic()
+        try:
+            if self.store is not None:
+                self.store.set(_KEY.format(self.rank), json.dumps(self.entry()))
+        except Exception:  # the store is gone (its host exited): nothing to tell
+            pass
+
+
+# Each rank's state per process group it issued on, and per world (its default group); weakly,
+# so that a destroyed group goes. ``_states``: every live one, for the publisher.
+_by_group: weakref.WeakKeyDictionary[dist.ProcessGroup, _Rank] = weakref.WeakKeyDictionary()
+_by_world: weakref.WeakKeyDictionary[dist.ProcessGroup, _Rank] = weakref.WeakKeyDictionary()
+_states: weakref.WeakSet[_Rank] = weakref.WeakSet()
+_unpublished = _Rank(-1, None)  # a group outside any default group's world: nowhere to publish
 _thread: threading.Thread | None = None
 
 
@@ -102,46 +173,56 @@ def _name(group: dist.ProcessGroup) -> str:
         return "?"
 
 
-def timeout_s() -> float:
-    return float(os.environ.get("FSDP2_COLLECTIVE_TIMEOUT", DEFAULT_TIMEOUT_S))
+def _rank_of(group: dist.ProcessGroup) -> _Rank:
+    """The state of the rank issuing on ``group`` (asked per collective: one dict look-up)."""
+    state = _by_group.get(group)
+    if state is None:
+        state = _by_group[group] = _world_rank()
+    return state
+
+
+def _world_rank() -> _Rank:
+    try:  # thread-local on the multi-threaded process group
+        world = dist.distributed_c10d._get_default_group()
+        state = _by_world.get(world)
+        if state is None:
+            store = dist.distributed_c10d._get_default_store()
+            state = _by_world[world] = _Rank(dist.get_rank(), store)
+            _states.add(state)
+    except Exception:  # no default group: a group built by hand
+        return _unpublished
+    return state
 
 
 def note(op: str, label: str, tensor: torch.Tensor, group: dist.ProcessGroup) -> Event:
     """Record a collective about to be issued on ``group``."""
-    name = _name(group)
-    seq = _counts.get(name, 0)
-    _counts[name] = seq + 1
-    event = Event(op, label, tensor, group, seq)
-    _ring.append(event)
+    state = _rank_of(group)
+    event = Event(op, label, tensor, group, state)
+    state.ring.append(event)
     if _thread is None:
         _start_publisher()
     return event
 
 
 def wait(work: dist.Work, event: Event, device: torch.device, phase: str = "") -> None:
-    """``work.wait()``, bounded by the deadline where the host blocks (not on CUDA)."""
+    """``work.wait()``, bounded by the deadline where the host blocks (not on CUDA) and the
+    backend's works accept one; a failure in the backend raises :class:`CollectiveFailedError`."""
     if device.type != "cpu":  # an accelerator: wait() only orders streams, never blocks
         work.wait()
         return
-    global _waiting
-    _waiting = (event, time.time())
+    state = event.rank
+    state.waiting = (event, time.time())
     try:
-        if not _wait_with_timeout(work):
-            _publish()
+        try:
+            finished = waits.wait(work, event.group)
+        except Exception as e:
+            raise CollectiveFailedError(_failure(event, phase, e)) from e
+        if not finished:
+            state.publish()
             time.sleep(_interval())  # the peers' publishers catch up with their latest state
             raise CollectiveTimeoutError(_report(event, phase))
     finally:
-        _waiting = None
-
-
-def _wait_with_timeout(work: dist.Work) -> bool:
-    try:
-        work.wait(timeout=timedelta(seconds=timeout_s()))
-    except RuntimeError as e:
-        if "timed out" in str(e).lower():
-            return False
-        raise
-    return True
+        state.waiting = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,19 +234,54 @@ def _start_publisher() -> None:
     global _thread
     _thread = threading.Thread(target=_publish_loop, name="fsdp2-hang-report", daemon=True)
     _thread.start()
+    atexit.register(_at_exit)
 
 
 def _publish_loop() -> None:
-    published: tuple[object, object] | None = None
-    last = 0.0
     while True:
         # Short naps, so that a timeout lowered at run time (tests) takes effect at once.
         interval = _interval()
         time.sleep(min(interval, 0.5))
-        state = (_ring[-1] if _ring else None, _waiting)
-        if state != published and time.monotonic() - last >= interval:
-            _publish()
-            published, last = state, time.monotonic()
+        try:
+            states = list(_states)  # a rank thread may add one meanwhile: then, next time
+        except RuntimeError:
+            continue
+        for state in states:
+            current = (state.ring[-1] if state.ring else None, state.waiting)
+            if current != state.published and time.monotonic() - state.last >= interval:
+                state.publish()
+            _watch(state)
+
+
+def _watch(state: _Rank) -> None:
+    """A wait without a deadline (its backend rejects one) that has passed it: log the hang
+    report, once per wait. The wait itself goes on, until the backend's own timeout."""
+    waiting = state.waiting
+    if waiting is None or waiting is state.warned or waits.is_timed(waiting[0].group):
+        return
+    if time.time() - waiting[1] < timeout_s():
+        return
+    state.warned = waiting
+    try:
+        report = _report(waiting[0], "")
+    except Exception:  # the rank's world is thread-local (threaded process group): not ours
+        return
+    logger.error(
+        "%s\nThis backend's works reject a finite timeout: fsdp2 cannot end the wait, which "
+        "goes on until the backend's own timeout.",
+        report,
+    )
+
+
+def _at_exit() -> None:
+    """The interpreter is exiting (the script ended, or raised): tell the peers, which may still
+    wait for this rank in a collective (its data loader ran out a batch before theirs)."""
+    error = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)  # uncaught
+    how = "normally" if error is None else f"after an uncaught {type(error).__name__}"
+    for state in list(_states):
+        if state.ring:
+            state.exited = {"time": time.time(), "how": how}
+            state.publish()
 
 
 def _interval() -> float:
@@ -173,29 +289,13 @@ def _interval() -> float:
     return min(timeout_s() / 4, 30.0)
 
 
-def _entry() -> dict[str, Any]:
-    waiting = _waiting
-    return {
-        "time": time.time(),
-        "counts": dict(_counts),
-        "recent": [e.as_dict() for e in list(_ring)[-_PUBLISHED:]],
-        "waiting": None if waiting is None else {**waiting[0].as_dict(), "since": waiting[1]},
-    }
-
-
-def _publish() -> None:
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        store.set(_KEY.format(dist.get_rank()), json.dumps(_entry()))
-    except Exception:  # no default group (any more), or its store is gone: nothing to tell
-        pass
-
-
-def _read(ranks: list[int]) -> dict[int, dict[str, Any]]:
+def _read(state: _Rank, ranks: list[int]) -> dict[int, dict[str, Any]]:
     """Every listed rank's published entry; never blocks on a rank that published nothing."""
     entries: dict[int, dict[str, Any]] = {}
+    store = state.store
+    if store is None:
+        return entries
     try:
-        store = dist.distributed_c10d._get_default_store()
         for rank in ranks:
             key = _KEY.format(rank)
             if store.check([key]):
@@ -219,13 +319,16 @@ def describe(event: dict[str, Any]) -> str:
 
 
 def _whereabouts(entry: dict[str, Any], now: float) -> str:
-    waiting = entry["waiting"]
+    waiting, exited = entry["waiting"], entry.get("exited")
+    last = entry["recent"][-1] if entry["recent"] else None
     if waiting is not None:
         where = f"blocked in {describe(waiting)} for {now - waiting['since']:.1f} s"
-    elif not entry["recent"]:
+    elif exited is not None:
+        where = f"its process EXITED {now - exited['time']:.1f} s ago ({exited['how']})"
+        where += f", after issuing {describe(last)}" if last else ""
+    elif last is None:
         where = "has issued no fsdp2 collective"
     else:
-        last = entry["recent"][-1]
         where = (
             "not in an fsdp2 collective (busy elsewhere, finished or raised); last seen "
             f"{now - last['time']:.1f} s ago issuing {describe(last)}"
@@ -236,8 +339,6 @@ def _whereabouts(entry: dict[str, Any], now: float) -> str:
 def _rank_line(rank: int, entry: dict[str, Any] | None, target: dict[str, Any], now: float) -> str:
     if entry is None:
         return f"rank {rank}: published nothing (never issued an fsdp2 collective, or died)"
-    if rank == dist.get_rank():
-        return f"rank {rank} (this rank): blocked in it"
     issued = entry["counts"].get(target["group"], 0)
     where = _whereabouts(entry, now)
     if issued <= target["seq"]:
@@ -254,29 +355,66 @@ def _rank_line(rank: int, entry: dict[str, Any] | None, target: dict[str, Any], 
     return f"rank {rank}: issued it; {where}"
 
 
-def describe_ranks(event: Event, ranks: list[int]) -> list[str]:
-    """One line per rank of ``ranks``: where it is, relative to ``event``."""
-    entries = _read(ranks)
-    entries[dist.get_rank()] = _entry()  # this rank's own state, fresher than the store's
-    now, target = time.time(), event.as_dict()
-    return [_rank_line(rank, entries.get(rank), target, now) for rank in ranks]
+def describe_ranks(event: Event, ranks: list[int], own: str = "blocked in it") -> list[str]:
+    """One line per rank of ``ranks``: where it is, relative to ``event`` (``own``: what to say
+    of the rank that issued ``event``)."""
+    state, now, target = event.rank, time.time(), event.as_dict()
+    entries = _read(state, ranks)
+    return [
+        f"rank {rank} (this rank): {own}"
+        if rank == state.rank
+        else _rank_line(rank, entries.get(rank), target, now)
+        for rank in ranks
+    ]
+
+
+def _where(event: Event, phase: str, own: str = "blocked in it") -> tuple[list[int], str, str]:
+    """The group's ranks, what ``event`` was, and every rank's line."""
+    ranks = dist.get_process_group_ranks(event.group)
+    target = describe(event.as_dict())
+    what = f"the {phase} the {target}" if phase else f"the {target}"
+    lines = "\n".join(f"  {line}" for line in describe_ranks(event, ranks, own))
+    return ranks, what, f"Where each rank is (from the c10d store):\n{lines}\n"
 
 
 def _report(event: Event, phase: str) -> str:
-    ranks = dist.get_process_group_ranks(event.group)
-    target = describe(event.as_dict())
-    lines = "\n".join(f"  {line}" for line in describe_ranks(event, ranks))
-    what = f"the {phase} the {target}" if phase else f"the {target}"
+    ranks, what, where = _where(event, phase)
     return (
-        f"fsdp2: rank {dist.get_rank()} waited {timeout_s():g} s (FSDP2_COLLECTIVE_TIMEOUT) for "
-        f"{what} on the process group of ranks {ranks}, and it has not finished.\n"
-        f"Where each rank is (from the c10d store):\n{lines}\n"
+        f"fsdp2: rank {event.rank.rank} waited {timeout_s():g} s (FSDP2_COLLECTIVE_TIMEOUT) for "
+        f"{what} on the process group of ranks {ranks}, and it has not finished.\n{where}"
         "A rank MISSING from it skipped that module (control flow that depends on the rank or "
         "the data: MoE routing, a layer skipped for some inputs or shapes), raised, or never "
         "started the step. A rank on a DIFFERENT collective got out of step earlier: "
         "collectives pair up by order, not by module, so earlier ones may have exchanged wrong "
         "data. The process group is unusable now (a collective is half done): "
         f"abort the job on every rank. {_checks_hint()}"
+    )
+
+
+def _failure(event: Event, phase: str, error: Exception) -> str:
+    ranks, what, where = _where(event, phase, own="waiting in it")
+    # gloo prefixes its source location: "[.../pair.cc:553] Connection closed by peer ..."
+    said = re.sub(r"^\[[^\]]*:\d+\] ", "", str(error).strip()).split("\n")[0]
+    return (
+        f"fsdp2: rank {event.rank.rank} was waiting for {what} on the process group of ranks "
+        f"{ranks} when the backend raised {type(error).__name__}: {said}\n{where}"
+        f"{_failure_cause(said)} The process group is unusable now: abort the job on every rank."
+    )
+
+
+def _failure_cause(said: str) -> str:
+    if "timed out" in said.lower():  # the backend's own timeout, on a wait fsdp2 could not bound
+        return (
+            "Likely cause: the backend's own timeout passed (its works take no finite timeout, "
+            "so FSDP2_COLLECTIVE_TIMEOUT could not end the wait sooner): a rank MISSING from "
+            "this collective skipped that module, raised, or never started the step."
+        )
+    return (
+        "Likely cause: a peer rank is gone. A rank whose process EXITED ended its training loop "
+        "before the others (e.g. its data loader ran out of batches first); one that published "
+        "nothing more may have crashed (see its own log). Fix: give every rank the same number "
+        "of batches (DistributedSampler(..., drop_last=True), or stop every rank's loop when "
+        "one runs out)."
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -19,6 +20,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
+
+if __package__ in (None, ""):  # run as a script by torchrun: make `tests` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fsdp2 import FSDPModule
 from tests.errors import Tripwire
@@ -245,3 +249,28 @@ def train(checks: bool, steps: int = 3) -> dict[str, Any]:
         "records": Counter(r.kind for r in records),
         "calls": sum(calls.values()),
     }
+
+
+def early_exit_main() -> None:
+    """Under torchrun (``tests/hang_scenarios.py early_exit TIMEOUT_S``): rank 1's data runs out
+    after one step and its script ends, while rank 0 starts another step. Rank 0 prints one JSON
+    line: what ended its step, and how long the step took."""
+    import json
+
+    os.environ["FSDP2_COLLECTIVE_TIMEOUT"] = sys.argv[2]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    model = build()
+    _step(model, 0)
+    if dist.get_rank() == 1:
+        return  # the loop is over: the interpreter exits
+    start = time.monotonic()
+    text = outcome(lambda: _step(model, 1))
+    line = {"outcome": text, "seconds": time.monotonic() - start}
+    sys.stdout.write(json.dumps(line) + "\n")
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["early_exit"]:
+    early_exit_main()

@@ -11,6 +11,8 @@ mode, on fresh process groups; the pool is discarded afterwards (those groups ar
 from __future__ import annotations
 
 import functools
+import json
+import re
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -20,7 +22,7 @@ import pytest
 import torch
 
 from tests.hang_scenarios import CHECKS_ONLY, SCENARIOS, TIMEOUT_S, train
-from tests.harness import IMPL_UNDER_TEST, discard_pool, run_on_ranks
+from tests.harness import IMPL_UNDER_TEST, discard_pool, launch, run_on_ranks
 
 pytestmark = pytest.mark.skipif(IMPL_UNDER_TEST != "fsdp2", reason="fsdp2's own reports")
 
@@ -300,14 +302,15 @@ def _destroyed_group_is_freed() -> bool:
     from fsdp2 import hang
 
     group = dist.new_group(backend="gloo")
-    hang.note("all_gather", "x", torch.zeros(1), group)  # what every fsdp2 collective records
+    event = hang.note("all_gather", "x", torch.zeros(1), group)  # what every collective records
     ref = weakref.ref(group)
     # A gloo group's constructor can return on one rank while its peer is still connecting;
     # destroying it then closes the socket under the peer ("Connection closed by peer").
     dist.barrier(group)
     dist.destroy_process_group(group)
     del group
-    hang._ring.clear()  # the last few events hold their group, by design (8 at most)
+    event.rank.ring.clear()  # the last few events hold their group, by design (8 at most)
+    del event
     gc.collect()
     return ref() is None
 
@@ -316,3 +319,28 @@ def test_the_hang_report_keeps_no_destroyed_group_alive() -> None:
     # Counting collectives per group object once kept every group a job ever made (and
     # destroyed) alive until exit.
     assert run_on_ranks(2, _destroyed_group_is_freed) == [True, True]
+
+
+class TestRankExitsEarly(expecttest.TestCase):
+    def test_rank_exits_early(self) -> None:
+        """Rank 1's data runs out a step early and its script ends; rank 0, in the next step's
+        first all-gather, gets gloo's "Connection closed by peer" at once: it raises that, naming the
+        collective and where each rank was (rank 1's last entry, published as it exited)."""
+        # FSDP2_COLLECTIVE_TIMEOUT: 60 s, far beyond the test's bound: not the deadline.
+        proc = launch("tests/hang_scenarios.py", 2, "early_exit", "60", timeout=120)
+        lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        assert len(lines) == 1, proc.stdout + proc.stderr
+        assert lines[0]["seconds"] < 20, lines[0]
+        text = lines[0]["outcome"]
+        assert re.search(r"Connection (closed|reset) by peer", text), text
+        # gloo's words: the peer's address and port, and a line of advice.
+        text = re.sub(r"(when the backend raised RuntimeError: ).*", r"\1<gloo's message>", text)
+        self.assertExpectedInline(
+            text,
+            """\
+CollectiveFailedError: fsdp2: rank 0 was waiting for the all-gather #17 for `<root>` (18 elements, float32) on the process group of ranks [0, 1] when the backend raised RuntimeError: <gloo's message>
+Where each rank is (from the c10d store):
+  rank 0 (this rank): waiting in it
+  rank 1: MISSING, issued only #0-#16 on this group; its process EXITED N s ago (normally), after issuing reduce-scatter #16 for `<root>` (36 elements, float32) [published N s ago]
+Likely cause: a peer rank is gone. A rank whose process EXITED ended its training loop before the others (e.g. its data loader ran out of batches first); one that published nothing more may have crashed (see its own log). Fix: give every rank the same number of batches (DistributedSampler(..., drop_last=True), or stop every rank's loop when one runs out). The process group is unusable now: abort the job on every rank.""",
+        )

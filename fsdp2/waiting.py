@@ -1,0 +1,115 @@
+"""Waiting on a collective with a deadline, where the process group's backend allows one.
+
+gloo's works accept ``wait(timeout=...)``; others may not: torch's multi-threaded process group
+(what torch's own FSDP tests and many users' unit tests run on) and any backend whose works wrap
+a future raise "wait() with finite timeout not implemented", and an out-of-tree backend may raise
+anything. Each process group's first wait learns which (:func:`wait`); the answer is kept per
+group, so later waits cost one dictionary look-up. See docs/debugging.md for how the hang
+report degrades without a deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["is_timed", "timed_wait", "wait"]
+
+logger = logging.getLogger("fsdp2")
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def timeout_s() -> float:
+    return float(os.environ.get("FSDP2_COLLECTIVE_TIMEOUT", DEFAULT_TIMEOUT_S))
+
+
+# Per process group: whether its works accept ``wait(timeout=...)``, learnt at its first wait.
+_timed: weakref.WeakKeyDictionary[dist.ProcessGroup, bool] = weakref.WeakKeyDictionary()
+
+
+def is_timed(group: dist.ProcessGroup) -> bool:
+    """Whether waits on ``group`` have a deadline (True until its first wait said otherwise)."""
+    return _timed.get(group, True)
+
+
+def wait(work: dist.Work, group: dist.ProcessGroup) -> bool:
+    """Whether ``work`` finished (False: the deadline passed first)."""
+    timed = _timed.get(group)
+    if timed:
+        return timed_wait(work)
+    if timed is None:
+        return _first_wait(work, group)
+    work.wait()  # no deadline: see _first_wait
+    return True
+
+
+def timed_wait(work: dist.Work) -> bool:
+    try:
+        work.wait(timeout=timedelta(seconds=timeout_s()))
+    except RuntimeError as e:
+        if "timed out" in str(e).lower():
+            return False
+        raise
+    return True
+
+
+def _first_wait(work: dist.Work, group: dist.ProcessGroup) -> bool:
+    """The group's first wait, which learns whether its backend's works take a finite timeout.
+    gloo's do. Others may not: torch's multi-threaded process group's (and any work wrapping a
+    future) raise "wait() with finite timeout not implemented", an out-of-tree backend may raise
+    anything. So a work that raises on a timed wait is waited on once more without one: if that
+    returns, the backend rejects timeouts and the group's waits go untimed from now on (no
+    deadline: the hang report degrades, see docs/debugging.md); a collective that really failed
+    raises again."""
+    if _is_gloo(group):
+        _timed[group] = True
+        return timed_wait(work)
+    try:
+        finished = timed_wait(work)
+    except Exception as refused:
+        _timed[group] = False
+        try:
+            work.wait()
+        except BaseException:
+            del _timed[group]  # it failed: nothing learnt
+            raise
+        logger.info(
+            "fsdp2: the works of process group %s (backend %s) reject a finite wait(timeout) "
+            "(%s); fsdp2 waits on them without FSDP2_COLLECTIVE_TIMEOUT's deadline and logs the "
+            "hang report when it passes",
+            _describe(group),
+            _backend_name(group),
+            refused,
+        )
+        return True
+    _timed[group] = True
+    return finished
+
+
+def _is_gloo(group: dist.ProcessGroup) -> bool:
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except Exception:  # no CPU backend (a fake or custom group)
+        return False
+    gloo = getattr(dist, "ProcessGroupGloo", None)  # absent from builds without gloo
+    return gloo is not None and isinstance(backend, gloo)
+
+
+def _describe(group: dist.ProcessGroup) -> str:
+    try:
+        return group.group_name
+    except Exception:  # a destroyed group
+        return "?"
+
+
+def _backend_name(group: dist.ProcessGroup) -> str:
+    try:
+        return str(group.name())
+    except Exception:
+        return "?"
