@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp._fully_shard._fully_shard import FSDPModule as TorchFSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp2.agreement import check_fully_shard
@@ -25,6 +26,7 @@ from fsdp2.policies import (
 )
 from fsdp2.state import FSDPState
 from fsdp2.state_dict import register_state_dict_hooks
+from fsdp2.torch_state import register_torch_state, torch_state
 
 __all__ = [
     "FSDPModule",
@@ -113,6 +115,10 @@ def fully_shard(
     return list(sharded) if isinstance(module, list) else sharded[0]
 
 
+# What torch's ``@contract`` gives its APIs: the state torch.distributed.pipelining reads.
+fully_shard.state = torch_state  # type: ignore[attr-defined]
+
+
 def replicate(
     module: nn.Module | list[nn.Module],
     *,
@@ -133,6 +139,9 @@ def replicate(
     _apply(modules, info, False, mp_policy, offload_policy, ignored_params, ReplicateModule)
     replicated = cast("tuple[ReplicateModule, ...]", modules)  # _apply swapped their classes
     return list(replicated) if isinstance(module, list) else replicated[0]
+
+
+replicate.state = torch_state  # type: ignore[attr-defined]
 
 
 def _apply(
@@ -202,6 +211,7 @@ def _apply(
     prefix = "FSDP" if kind is FSDPModule else kind.__name__.removesuffix("Module")
     for mod in modules:
         mod.__dict__[STATE_ATTR] = state
+        register_torch_state(mod, state)
         for each in groups:
             register_state_dict_hooks(mod, each)
         mod.__class__ = _wrapped_class(type(mod), kind, prefix)
@@ -351,9 +361,15 @@ _wrapped_classes: dict[tuple[type, type], type] = {}
 
 
 def _wrapped_class(cls: type, kind: type, prefix: str) -> type:
-    """``FSDP<Name>``: ``FSDPModule`` first in the MRO, so its methods and ``__call__`` win."""
+    """``FSDP<Name>``: ``FSDPModule`` first in the MRO, so its methods and ``__call__`` win.
+
+    torch's ``FSDPModule`` comes last, after ``nn.Module``: code that tests
+    ``isinstance(m, torch.distributed.fsdp.FSDPModule)`` without ``patch_torch_fsdp()`` (torch's
+    pipeline stage and schedules) recognises the module and calls fsdp2's methods, while no
+    method of torch's implementation is ever reached ahead of fsdp2's or ``nn.Module``'s."""
     if (cls, kind) not in _wrapped_classes:
-        _wrapped_classes[cls, kind] = type(f"{prefix}{cls.__name__}", (kind, cls), {})
+        bases = (kind, cls) if issubclass(cls, TorchFSDPModule) else (kind, cls, TorchFSDPModule)
+        _wrapped_classes[cls, kind] = type(f"{prefix}{cls.__name__}", bases, {})
     return _wrapped_classes[cls, kind]
 
 

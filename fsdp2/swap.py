@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["patch_torch_fsdp"]
+__all__ = ["patch_torch_fsdp", "unpatch_torch_fsdp"]
 
 _PUBLIC_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
 _LEFT_ALONE = ("torch.distributed.fsdp._fully_shard", "fsdp2")
+# (module, attribute, torch's object) for every reference the swap replaced, oldest first.
+_replaced: list[tuple[object, str, object]] = []
 
 
 def patch_torch_fsdp() -> None:
@@ -48,5 +50,15 @@ def patch_torch_fsdp() -> None:
             continue
         for attr, value in attrs:
             replacement = ours.get(id(value))
-            if replacement is not None:
+            if replacement is not None and replacement is not value:
+                _replaced.append((module, attr, value))
                 setattr(module, attr, replacement)
+
+
+def unpatch_torch_fsdp() -> None:
+    """Undo :func:`patch_torch_fsdp`: put torch's objects back wherever it replaced them (for
+    tests sharing one process). A module first imported while patched keeps fsdp2's names,
+    and modules already sharded stay fsdp2's."""
+    while _replaced:
+        module, attr, original = _replaced.pop()
+        setattr(module, attr, original)
