@@ -34,10 +34,21 @@ class Run:
 
 
 def run_both(
-    script: Path, args: list[str], timeout_s: float, keys: tuple[str, ...] = ()
+    script: Path,
+    args: list[str],
+    timeout_s: float,
+    keys: tuple[str, ...] = (),
+    out: Path | None = None,
 ) -> dict[str, Run]:
-    """``script --impl <impl> *args`` for torch's ``fully_shard`` and fsdp2's, concurrently."""
-    procs = {impl: _launch(script, ["--impl", impl, *args]) for impl in IMPLS}
+    """``script --impl <impl> *args`` for torch's ``fully_shard`` and fsdp2's, concurrently;
+    with ``out``, each gets ``--out <out>/<impl>`` too."""
+    procs = {}
+    for impl in IMPLS:
+        extra = []
+        if out is not None:
+            (out / impl).mkdir(parents=True, exist_ok=True)
+            extra = ["--out", str(out / impl)]
+        procs[impl] = _launch(script, ["--impl", impl, *args, *extra])
     return {impl: _finish(impl, proc, timeout_s, keys) for impl, proc in procs.items()}
 
 
