@@ -105,8 +105,12 @@ def _mesh_only(local: _Extension) -> bool:
             "it as fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy), or "
             "in its older form fsdp_pre_all_gather(mesh). Define one of the two"
         )
-    _MESH_ONLY[func] = len(signature.parameters) == 1
-    return _MESH_ONLY[func]
+    mesh_only = len(signature.parameters) == 1
+    try:
+        _MESH_ONLY[func] = mesh_only
+    except TypeError:  # not weakly referenceable (a builtin): decided again at the next gather
+        pass
+    return mesh_only
 
 
 def pack(group: FSDPParamGroup, plain: torch.Tensor) -> tuple[torch.Tensor, Packing]:
@@ -115,11 +119,12 @@ def pack(group: FSDPParamGroup, plain: torch.Tensor) -> tuple[torch.Tensor, Pack
     packing: Packing = []
     for fsdp_param in group.ext_params:
         local = _subclass_view(fsdp_param)
+        mesh = shard_mesh(fsdp_param)
         if _mesh_only(local):
-            inputs, metadata = local.fsdp_pre_all_gather(fsdp_param.mesh)  # type: ignore[call-arg]
+            inputs, metadata = local.fsdp_pre_all_gather(mesh)  # type: ignore[call-arg]
         else:
             inputs, metadata = local.fsdp_pre_all_gather(
-                fsdp_param.mesh,
+                mesh,
                 fsdp_param.global_shape,
                 fsdp_param.stride,
                 fsdp_param.module,
@@ -155,6 +160,19 @@ def unpack(group: FSDPParamGroup, gathered: torch.Tensor, packing: Packing) -> t
             start += nbytes
         _rebuild_unsharded(fsdp_param, outputs, metadata, fsdp_param.param_dtype)
     return rows[:, :plain_bytes]
+
+
+def shard_mesh(fsdp_param: FSDPParam) -> DeviceMesh:
+    """The 1-D mesh of the dim that shards the parameter (HSDP's shard dim, not its 2-D mesh),
+    the mesh the pre hook gets: hooks ask it for the shard group (NF4's
+    ``mesh.get_group().size()``). Several flattened shard dims keep the whole mesh."""
+    if fsdp_param.ext_mesh is None:
+        info = fsdp_param.group.info
+        mesh, names = info.mesh, info.mesh.mesh_dim_names
+        if mesh.ndim > 1 and names and info.shard_axis is not None and len(info.shard_axes) < 2:
+            mesh = mesh[names[info.shard_axis]]
+        fsdp_param.ext_mesh = mesh
+    return fsdp_param.ext_mesh
 
 
 def _pad_rows(fsdp_param: FSDPParam, tensor: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,8 @@ from fsdp2.mesh import MeshInfo, sharded_layout
 from fsdp2.nested import dp_rows_mismatch, piece_sizes
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from fsdp2.param_group import FSDPParamGroup
 
 __all__ = ["FSDPParam", "ShardedState", "typed"]
@@ -92,6 +94,7 @@ class FSDPParam:
         # The gathered inputs handed to the post hook, kept across gathers: a hook may keep them
         # as the unsharded parameter's inner tensors and refill nothing itself (out=).
         self.ext_outputs: list[torch.Tensor] | None = None
+        self.ext_mesh: DeviceMesh | None = None  # handed to the pre hook (extension.shard_mesh)
         self.module = slots[0][0]  # handed to fsdp_pre_all_gather
         self.on_grad_ready: Callable[[torch.Tensor], None] | None = None
         # Set by the group once the layout is fixed.

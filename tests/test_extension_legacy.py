@@ -63,6 +63,7 @@ class NarrowWeight(torch.Tensor):
         return pytree.tree_map_only(torch.Tensor, cls, out)
 
     def fsdp_pre_all_gather(self, mesh: Any) -> tuple[tuple[torch.Tensor], None]:
+        mesh.get_group()  # as NF4's hook does: torch hands it the 1-D mesh of the shard dim
         return (self._data.to(torch.bfloat16),), None
 
     def fsdp_post_all_gather(
@@ -93,14 +94,18 @@ def _data(t: torch.Tensor) -> torch.Tensor:
     return (t._data if isinstance(t, NarrowWeight) else t).detach().clone()
 
 
-def _train(impl: str) -> dict[str, Any]:
+def _train(impl: str, hsdp: bool) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
     from tests.harness import fsdp_api
 
     api = fsdp_api(impl)
     rank, world = dist.get_rank(), dist.get_world_size()
+    shape = (2, world // 2) if hsdp else (world,)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape) :])
     model = _model()
-    api.fully_shard(model[0])
-    api.fully_shard(model)
+    api.fully_shard(model[0], mesh=mesh)
+    api.fully_shard(model, mesh=mesh)
     # (_local_tensor: to_local() is a view_as, which NarrowWeight refuses, as NF4 <= 0.13 does)
     shards = [type(p._local_tensor).__name__ for p in model.parameters()]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -117,10 +122,10 @@ def _train(impl: str) -> dict[str, Any]:
     return {"losses": losses, "grads": grads, "params": params, "shards": shards}
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_mesh_only_pre_hook_on_a_narrow_subclass_matches_torch(world: int) -> None:
-    ours = run_on_ranks(world, _train, "fsdp2")
-    theirs = run_on_ranks(world, _train, "torch")
+@pytest.mark.parametrize(("world", "hsdp"), [(2, False), (4, False), (4, True)])
+def test_mesh_only_pre_hook_on_a_narrow_subclass_matches_torch(world: int, hsdp: bool) -> None:
+    ours = run_on_ranks(world, _train, "fsdp2", hsdp)
+    theirs = run_on_ranks(world, _train, "torch", hsdp)
     for rank, (a, b) in enumerate(zip(ours, theirs, strict=True)):
         # The shards stay the user's subclass, cut into this rank's rows.
         assert a["shards"] == b["shards"] == ["NarrowWeight", "Tensor"] * 2, (rank, a, b)
