@@ -8,14 +8,19 @@ instead of fp32), and its unsharded parameter is whatever the post hook builds f
 ``(tensor, inner_tensors)``; later ones refill that tensor in place (``out=``) after fsdp2
 re-allocates the inner tensors it freed at reshard.
 
+The older one-argument form, ``fsdp_pre_all_gather(mesh)`` (torchao's float8 training weights and
+its NF4 tensors define it), is still honoured: the hook's signature decides which form is called.
+
 A group holding such parameters gathers bytes: its plain parameters' shard and every extension
 input, packed back to back, in one all-gather; unpacking cuts the bytes apart again.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast, overload
 
 import torch
@@ -66,13 +71,46 @@ Packing = list[tuple[Any, list[tuple[torch.dtype, torch.Size]]]]
 
 
 def has_extension(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` defines the extension's hooks; raises if one is missing, or if the pre
+    hook takes neither form (at ``fully_shard``, from its class: alike on every rank)."""
     pre = hasattr(tensor, "fsdp_pre_all_gather")
     if pre != hasattr(tensor, "fsdp_post_all_gather"):
         raise TypeError(
             f"{type(tensor).__name__} defines only one of fsdp_pre_all_gather and "
             "fsdp_post_all_gather; the all-gather extension needs both"
         )
+    if pre:
+        _mesh_only(cast("_Extension", tensor))
     return pre
+
+
+# Per hook function: whether it is the one-argument form. Weak keys: a class may be redefined.
+_MESH_ONLY: weakref.WeakKeyDictionary[Callable[..., Any], bool] = weakref.WeakKeyDictionary()
+
+
+def _mesh_only(local: _Extension) -> bool:
+    """Whether ``local``'s pre hook is the older ``fsdp_pre_all_gather(mesh)``; decided by its
+    number of parameters (``self`` not counted), once per hook function."""
+    hook = local.fsdp_pre_all_gather
+    func = getattr(hook, "__func__", hook)
+    known = _MESH_ONLY.get(func)
+    if known is not None:
+        return known
+    signature = inspect.signature(hook)
+    if len(signature.parameters) not in (1, 5):
+        names = ", ".join(signature.parameters)
+        raise TypeError(
+            f"{type(local).__name__}.fsdp_pre_all_gather({names}) takes "
+            f"{len(signature.parameters)} arguments after self; the all-gather extension calls "
+            "it as fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy), or "
+            "in its older form fsdp_pre_all_gather(mesh). Define one of the two"
+        )
+    mesh_only = len(signature.parameters) == 1
+    try:
+        _MESH_ONLY[func] = mesh_only
+    except TypeError:  # not weakly referenceable (a builtin): decided again at the next gather
+        pass
+    return mesh_only
 
 
 def pack(group: FSDPParamGroup, plain: torch.Tensor) -> tuple[torch.Tensor, Packing]:
@@ -81,13 +119,17 @@ def pack(group: FSDPParamGroup, plain: torch.Tensor) -> tuple[torch.Tensor, Pack
     packing: Packing = []
     for fsdp_param in group.ext_params:
         local = _subclass_view(fsdp_param)
-        inputs, metadata = local.fsdp_pre_all_gather(
-            fsdp_param.mesh,
-            fsdp_param.global_shape,
-            fsdp_param.stride,
-            fsdp_param.module,
-            group.mp_policy,
-        )
+        mesh = shard_mesh(fsdp_param)
+        if _mesh_only(local):
+            inputs, metadata = local.fsdp_pre_all_gather(mesh)  # type: ignore[call-arg]
+        else:
+            inputs, metadata = local.fsdp_pre_all_gather(
+                mesh,
+                fsdp_param.global_shape,
+                fsdp_param.stride,
+                fsdp_param.module,
+                group.mp_policy,
+            )
         inputs = [_pad_rows(fsdp_param, t.to(group.device)) for t in inputs]
         packing.append((metadata, [(t.dtype, t.shape) for t in inputs]))
         parts.extend(inputs)
@@ -118,6 +160,19 @@ def unpack(group: FSDPParamGroup, gathered: torch.Tensor, packing: Packing) -> t
             start += nbytes
         _rebuild_unsharded(fsdp_param, outputs, metadata, fsdp_param.param_dtype)
     return rows[:, :plain_bytes]
+
+
+def shard_mesh(fsdp_param: FSDPParam) -> DeviceMesh:
+    """The 1-D mesh of the dim that shards the parameter (HSDP's shard dim, not its 2-D mesh),
+    the mesh the pre hook gets: hooks ask it for the shard group (NF4's
+    ``mesh.get_group().size()``). Several flattened shard dims keep the whole mesh."""
+    if fsdp_param.ext_mesh is None:
+        info = fsdp_param.group.info
+        mesh, names = info.mesh, info.mesh.mesh_dim_names
+        if mesh.ndim > 1 and names and info.shard_axis is not None and len(info.shard_axes) < 2:
+            mesh = mesh[names[info.shard_axis]]
+        fsdp_param.ext_mesh = mesh
+    return fsdp_param.ext_mesh
 
 
 def _pad_rows(fsdp_param: FSDPParam, tensor: torch.Tensor) -> torch.Tensor:

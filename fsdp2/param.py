@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils import dlpack
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
@@ -34,7 +35,7 @@ from fsdp2.mesh import MeshInfo, sharded_layout
 from fsdp2.nested import dp_rows_mismatch, piece_sizes
 
 if TYPE_CHECKING:
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.device_mesh import DeviceMesh
 
     from fsdp2.param_group import FSDPParamGroup
 
@@ -93,6 +94,7 @@ class FSDPParam:
         # The gathered inputs handed to the post hook, kept across gathers: a hook may keep them
         # as the unsharded parameter's inner tensors and refill nothing itself (out=).
         self.ext_outputs: list[torch.Tensor] | None = None
+        self.ext_mesh: DeviceMesh | None = None  # handed to the pre hook (extension.shard_mesh)
         self.module = slots[0][0]  # handed to fsdp_pre_all_gather
         self.on_grad_ready: Callable[[torch.Tensor], None] | None = None
         # Set by the group once the layout is fixed.
@@ -212,25 +214,38 @@ class FSDPParam:
         self.local_tensor = self.sharded_param._local_tensor  # type: ignore[attr-defined]
 
     def _new_sharded_param(self, local: torch.Tensor, requires_grad: bool) -> nn.Parameter:
-        dtensor = DTensor.from_local(
-            local,
-            self.mesh,
-            self.placements,
-            run_check=False,
-            shape=self.global_shape,
-            stride=self.stride,
-        )
-        return parameter(dtensor, requires_grad)
+        """``local`` wrapped as the sharded DTensor parameter, as it is: ``DTensor.from_local``
+        would wrap a ``view_as`` of it, which some subclasses reject (torchao <= 0.13's NF4)."""
+        meta = TensorMeta(self.global_shape, self.stride, local.dtype)
+        spec = DTensorSpec(self.mesh, tuple(self.placements), tensor_meta=meta)
+        return parameter(DTensor.__new__(DTensor, local, spec, requires_grad=False), requires_grad)
 
     def _wrapper_shard(self, device: torch.device, full: torch.Tensor | None) -> torch.Tensor:
         """A wrapper subclass's shard: this rank's rows of ``full`` cut through the subclass (so
         its inner tensors are cut alike) and copied, so that it owns exactly its bytes; or, on
-        a re-pack, the current shard as it is."""
+        a re-pack, the current shard as it is.
+
+        Only ops that such subclasses implement for sharding: ``torch.split`` to cut (torchao's
+        NF4 implements ``aten.slice``, what ``narrow`` runs, only for the whole tensor), and
+        ``new_zeros`` + ``copy_`` to copy (NF4 refuses ``.to(copy=True)``)."""
         if full is None:
             local: torch.Tensor = self.sharded_param._local_tensor  # type: ignore[attr-defined]
             return local
         with torch.no_grad():
-            return self.shard_of(full).to(device, copy=True)
+            rows = self._split_rows(full)
+            if rows.device != device:
+                rows = rows.to(device)
+            shard = rows.new_zeros(rows.shape)
+            shard.copy_(rows)
+            return shard
+
+    def _split_rows(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of ``full`` as ``torch.split`` cuts them (the chunks of the layout)."""
+        if not self.shape:
+            return full
+        if not self.local_shape[self.dim]:  # fewer rows than ranks: none here
+            return full.new_zeros(self.local_shape)
+        return torch.split(full, self.chunk_rows, self.dim)[self.row_start // self.chunk_rows]
 
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a full (global) tensor of this parameter's shape."""
