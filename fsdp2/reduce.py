@@ -274,13 +274,17 @@ class GradientReduction:
         if (self.world > 1 or replicated) and not self.reduce_scatter_unused:
             used = [self._has_grad(p) for p in params]
         grads = [self._take_grad(p) for p in params]
-        if used is not None:  # one flag per parameter at the end of every rank's chunk
-            one, zero = grads[0].new_ones(1), grads[0].new_zeros(1)
-            grads.extend((one if u else zero).expand(self.world) for u in used)
         use_sum = self.divide_factor is not None or self.force_sum_reduction
         if self.world == 1 and self.info.replicate_group is None and not use_sum:
             if self.all_reduce_hook is None:
                 return PendingReduce(self, Pending(None), None, params, grads, use_sum)
+        if self.mixed or any(g.dtype != grads[0].dtype for g in grads):
+            # _chunk_cat takes one dtype (and casts it to reduce_dtype): a mixed-dtype group's,
+            # or running sums without sync next to this backward's gradients or zeros
+            grads = [g.to(self.reduce_dtype) for g in grads]
+        if used is not None:  # one flag per parameter at the end of every rank's chunk
+            one, zero = grads[0].new_ones(1), grads[0].new_zeros(1)
+            grads.extend((one if u else zero).expand(self.world) for u in used)
         if self.world == 1:
             out = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0]
             out = out.reshape(-1).to(self.reduce_dtype)
@@ -294,8 +298,6 @@ class GradientReduction:
         else:
             inp = torch.empty(size, dtype=dtype, device=device)
             out = inp.new_empty(numel)
-        if self.mixed:  # _chunk_cat takes one dtype; it casts that to reduce_dtype
-            grads = [g.to(dtype) for g in grads]
         torch._chunk_cat(grads, dim=0, num_chunks=self.world, out=inp)  # casts to reduce_dtype
         grads.clear()  # copied: free them before the collective allocates its own buffers
         op = dist.ReduceOp.SUM if use_sum else dist.ReduceOp.AVG

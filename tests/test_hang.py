@@ -63,13 +63,13 @@ class TestHangReport(expecttest.TestCase):
 CollectiveTimeoutError: fsdp2: rank 0 waited N s (FSDP2_COLLECTIVE_TIMEOUT) for the all-gather #7 for `experts.0` (36 elements, float32) on the process group of ranks [0, 1], and it has not finished.
 Where each rank is (from the c10d store):
   rank 0 (this rank): blocked in it
-  rank 1: DIFFERENT collective: blocked in reduce-scatter #7 for `experts.1` (72 elements, float32) for N s [published N s ago]
+  rank 1: DIFFERENT collective: blocked in reduce-scatter #7 for `experts.1` (76 elements, float32) for N s [published N s ago]
 A rank MISSING from it skipped that module (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs or shapes), raised, or never started the step. A rank on a DIFFERENT collective got out of step earlier: collectives pair up by order, not by module, so earlier ones may have exchanged wrong data. The process group is unusable now (a collective is half done): abort the job on every rank. FSDP2_CHECK_COLLECTIVES=1 stops at the first collective where the ranks disagree, with both sides named.""",
         )
         self.assertExpectedInline(
             rank1,
             """\
-CollectiveTimeoutError: fsdp2: rank 1 waited N s (FSDP2_COLLECTIVE_TIMEOUT) for the reduce-scatter #7 for `experts.1` (72 elements, float32) on the process group of ranks [0, 1], and it has not finished.
+CollectiveTimeoutError: fsdp2: rank 1 waited N s (FSDP2_COLLECTIVE_TIMEOUT) for the reduce-scatter #7 for `experts.1` (76 elements, float32) on the process group of ranks [0, 1], and it has not finished.
 Where each rank is (from the c10d store):
   rank 0: DIFFERENT collective: blocked in all-gather #7 for `experts.0` (36 elements, float32) for N s [published N s ago]
   rank 1 (this rank): blocked in it
@@ -84,7 +84,7 @@ A rank MISSING from it skipped that module (control flow that depends on the ran
 CollectiveTimeoutError: fsdp2: rank 0 waited N s (FSDP2_COLLECTIVE_TIMEOUT) for the all-gather #6 for `experts.1` (36 elements, float32) on the process group of ranks [0, 1], and it has not finished.
 Where each rank is (from the c10d store):
   rank 0 (this rank): blocked in it
-  rank 1: DIFFERENT collective, issued reduce-scatter #6 for `experts.0` (72 elements, float32); blocked in all-gather #7 for `blocks.2` (36 elements, float32) for N s [published N s ago]
+  rank 1: DIFFERENT collective, issued reduce-scatter #6 for `experts.0` (76 elements, float32); blocked in all-gather #7 for `blocks.2` (36 elements, float32) for N s [published N s ago]
 A rank MISSING from it skipped that module (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs or shapes), raised, or never started the step. A rank on a DIFFERENT collective got out of step earlier: collectives pair up by order, not by module, so earlier ones may have exchanged wrong data. The process group is unusable now (a collective is half done): abort the job on every rank. FSDP2_CHECK_COLLECTIVES=1 stops at the first collective where the ranks disagree, with both sides named.""",
         )
         self.assertExpectedInline(
@@ -105,7 +105,7 @@ A rank MISSING from it skipped that module (control flow that depends on the ran
 CollectiveTimeoutError: fsdp2: rank 0 waited N s (FSDP2_COLLECTIVE_TIMEOUT) for the all-gather #12 for `blocks.1` (36 elements, float32) on the process group of ranks [0, 1], and it has not finished.
 Where each rank is (from the c10d store):
   rank 0 (this rank): blocked in it
-  rank 1: MISSING, issued only #0-#11 on this group; not in an fsdp2 collective (busy elsewhere, finished or raised); last seen N s ago issuing reduce-scatter #11 for `blocks.2` (72 elements, float32) [published N s ago]
+  rank 1: MISSING, issued only #0-#11 on this group; not in an fsdp2 collective (busy elsewhere, finished or raised); last seen N s ago issuing reduce-scatter #11 for `blocks.2` (76 elements, float32) [published N s ago]
 A rank MISSING from it skipped that module (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs or shapes), raised, or never started the step. A rank on a DIFFERENT collective got out of step earlier: collectives pair up by order, not by module, so earlier ones may have exchanged wrong data. The process group is unusable now (a collective is half done): abort the job on every rank. FSDP2_CHECK_COLLECTIVES=1 stops at the first collective where the ranks disagree, with both sides named.""",
         )
         self.assertEqual(rank1, "RuntimeError: tripwire fired in backward")
@@ -126,7 +126,7 @@ A rank MISSING from it skipped that module (control flow that depends on the ran
             """\
 CollectiveTimeoutError: fsdp2: rank 1 waited N s (FSDP2_COLLECTIVE_TIMEOUT) for the all-gather #9 for `experts.1` (36 elements, float32) on the process group of ranks [0, 1], and it has not finished.
 Where each rank is (from the c10d store):
-  rank 0: DIFFERENT collective, issued reduce-scatter #9 for `experts.0` (72 elements, float32); blocked in all-gather #10 for `blocks.2` (36 elements, float32) for N s [published N s ago]
+  rank 0: DIFFERENT collective, issued reduce-scatter #9 for `experts.0` (76 elements, float32); blocked in all-gather #10 for `blocks.2` (36 elements, float32) for N s [published N s ago]
   rank 1 (this rank): blocked in it
 A rank MISSING from it skipped that module (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs or shapes), raised, or never started the step. A rank on a DIFFERENT collective got out of step earlier: collectives pair up by order, not by module, so earlier ones may have exchanged wrong data. The process group is unusable now (a collective is half done): abort the job on every rank. FSDP2_CHECK_COLLECTIVES=1 stops at the first collective where the ranks disagree, with both sides named.""",
         )
@@ -139,7 +139,7 @@ A rank MISSING from it skipped that module (control flow that depends on the ran
 CollectiveTimeoutError: fsdp2: rank 0 waited N s (FSDP2_COLLECTIVE_TIMEOUT) for the all-gather #17 for `<root>` (18 elements, float32) on the process group of ranks [0, 1], and it has not finished.
 Where each rank is (from the c10d store):
   rank 0 (this rank): blocked in it
-  rank 1: MISSING, issued only #0-#16 on this group; not in an fsdp2 collective (busy elsewhere, finished or raised); last seen N s ago issuing reduce-scatter #16 for `<root>` (36 elements, float32) [published N s ago]
+  rank 1: MISSING, issued only #0-#16 on this group; not in an fsdp2 collective (busy elsewhere, finished or raised); last seen N s ago issuing reduce-scatter #16 for `<root>` (40 elements, float32) [published N s ago]
 A rank MISSING from it skipped that module (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs or shapes), raised, or never started the step. A rank on a DIFFERENT collective got out of step earlier: collectives pair up by order, not by module, so earlier ones may have exchanged wrong data. The process group is unusable now (a collective is half done): abort the job on every rank. FSDP2_CHECK_COLLECTIVES=1 stops at the first collective where the ranks disagree, with both sides named.""",
         )
         self.assertEqual(rank1, "skipped step 1")
@@ -196,7 +196,7 @@ Nothing was issued: every rank of the group raises this error.""",
 CollectiveTimeoutError: fsdp2: rank 0 waited N s (FSDP2_COLLECTIVE_TIMEOUT) for the fingerprint exchange before the all-gather #12 for `blocks.1` (36 elements, float32) on the process group of ranks [0, 1], and it has not finished.
 Where each rank is (from the c10d store):
   rank 0 (this rank): blocked in it
-  rank 1: MISSING, issued only #0-#11 on this group; not in an fsdp2 collective (busy elsewhere, finished or raised); last seen N s ago issuing reduce-scatter #11 for `blocks.2` (72 elements, float32) [published N s ago]
+  rank 1: MISSING, issued only #0-#11 on this group; not in an fsdp2 collective (busy elsewhere, finished or raised); last seen N s ago issuing reduce-scatter #11 for `blocks.2` (76 elements, float32) [published N s ago]
 A rank MISSING from it skipped that module (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs or shapes), raised, or never started the step. A rank on a DIFFERENT collective got out of step earlier: collectives pair up by order, not by module, so earlier ones may have exchanged wrong data. The process group is unusable now (a collective is half done): abort the job on every rank. (Collective checks are on: the ranks agreed on every collective before this one.)""",
         )
         self.assertEqual(rank1, "RuntimeError: tripwire fired in backward")
@@ -209,7 +209,7 @@ A rank MISSING from it skipped that module (control flow that depends on the ran
 CollectiveTimeoutError: fsdp2: rank 0 waited N s (FSDP2_COLLECTIVE_TIMEOUT) for the fingerprint exchange before the all-gather #17 for `<root>` (18 elements, float32) on the process group of ranks [0, 1], and it has not finished.
 Where each rank is (from the c10d store):
   rank 0 (this rank): blocked in it
-  rank 1: MISSING, issued only #0-#16 on this group; not in an fsdp2 collective (busy elsewhere, finished or raised); last seen N s ago issuing reduce-scatter #16 for `<root>` (36 elements, float32) [published N s ago]
+  rank 1: MISSING, issued only #0-#16 on this group; not in an fsdp2 collective (busy elsewhere, finished or raised); last seen N s ago issuing reduce-scatter #16 for `<root>` (40 elements, float32) [published N s ago]
 A rank MISSING from it skipped that module (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs or shapes), raised, or never started the step. A rank on a DIFFERENT collective got out of step earlier: collectives pair up by order, not by module, so earlier ones may have exchanged wrong data. The process group is unusable now (a collective is half done): abort the job on every rank. (Collective checks are on: the ranks agreed on every collective before this one.)""",
         )
         self.assertEqual(rank1, "skipped step 1")
