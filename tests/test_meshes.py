@@ -195,6 +195,7 @@ def _replicate(how: str) -> dict[str, Any]:
         shard_mlp(model, apply, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate="dp"))
     check_layout(model, ref, (Replicate(),), 0, 1)
     result = train_side_by_side(model, ref, MLP_BATCH, dp_rank=dist.get_rank(), dp_size=4)
+
     # Each group's whole gradients, and one fp32 flag per parameter (whether this rank had its
     # gradient: [Note: gradients on some ranks only] in fsdp2/reduce.py).
     def with_flags(module: nn.Module) -> int:
