@@ -130,15 +130,22 @@ class PassingBlock(nn.Module):
 
 
 class Passing(nn.Module):
-    def __init__(self) -> None:
+    """Blocks handing a bias on, run plainly or each under a checkpoint."""
+
+    def __init__(self, ac: str = "none") -> None:
         super().__init__()
+        self.ac = ac
+        self.inp = nn.Linear(DIM, DIM)  # keeps a reentrant checkpoint's input requiring grad
         self.blocks = nn.ModuleList(PassingBlock(i == 0) for i in range(NUM_BLOCKS))
         self.head = nn.Linear(DIM, DIM)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        bias = None
+        x, bias = self.inp(x), None
         for block in self.blocks:
-            x, bias = block(x, bias)
+            if self.ac == "none":
+                x, bias = block(x, bias)
+            else:
+                x, bias = checkpoint(block, x, bias, use_reentrant=self.ac == "reentrant")
         return F.mse_loss(self.head(x), y)
 
 
@@ -167,9 +174,9 @@ class Sequence(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _passing_steps(impl: str) -> list[list[str]]:
+def _passing_steps(impl: str, ac: str) -> list[list[str]]:
     fully_shard = fsdp_api(impl).fully_shard
-    t = Lockstep(Passing, _batch)
+    t = Lockstep(functools.partial(Passing, ac), _batch)
     for block in t.model.blocks:  # type: ignore[union-attr]
         fully_shard(block)
     fully_shard(t.model)
@@ -187,13 +194,20 @@ def _passing_steps(impl: str) -> list[list[str]]:
     return orders
 
 
-def test_block_returning_its_input_is_gathered_once() -> None:
-    """Forward: the root and every block (5 all-gathers). Backward: each block once (4), its
-    reduce-scatter before the gather of the block two before it (prefetch keeps one ahead), as
-    torch; the root's last."""
-    forward = ["AG"] * (NUM_BLOCKS + 1)
-    backward = ["AG", "AG", "RS", "AG", "RS", "AG", "RS", "RS", "RS"]
-    by_impl = {impl: run_on_ranks(2, _passing_steps, impl) for impl in IMPLS}
-    assert by_impl["fsdp2"] == by_impl["torch"]
+@pytest.mark.parametrize("ac", ["none", "reentrant", "non_reentrant"])
+def test_block_returning_its_input_is_gathered_once(ac: str) -> None:
+    """Forward: the root and every block (5 all-gathers). Backward: each block once (4), and
+    without checkpoints, in torch's order: each block's reduce-scatter before the gather of the
+    block two before it (prefetch keeping one ahead), the root's last. Under a reentrant
+    checkpoint fsdp2 prefetches nothing (the recompute runs in backward's order), so each
+    block reduces before the next is gathered: only the counts are torch's."""
+    by_impl = {impl: run_on_ranks(2, _passing_steps, impl, ac) for impl in IMPLS}
+    counted = {impl: [[sorted(o) for o in r] for r in runs] for impl, runs in by_impl.items()}
+    assert counted["fsdp2"] == counted["torch"]
     for orders in by_impl["fsdp2"]:
-        assert orders == [forward + backward] * NUM_STEPS
+        assert all(order.count("AG") == 2 * NUM_BLOCKS + 1 for order in orders)
+        if ac == "none":
+            assert by_impl["fsdp2"] == by_impl["torch"]
+            forward = ["AG"] * (NUM_BLOCKS + 1)
+            backward = ["AG", "AG", "RS", "AG", "RS", "AG", "RS", "RS", "RS"]
+            assert orders == [forward + backward] * NUM_STEPS
