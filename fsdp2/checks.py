@@ -138,9 +138,9 @@ def _cause(found: list[dict[str, object]]) -> str:
         )
     if differ("numel") and found[0]["op"] == "reduce_scatter":
         return (
-            "Likely cause: some parameters of this module got no gradient on some ranks (a branch "
-            "inside it not taken). Fix: module.set_reduce_scatter_unused_params(True) reduces "
-            "zeros for them, or use every parameter on every rank."
+            "Likely cause: this module's trainable parameters differ between ranks "
+            "(requires_grad_ changed on some ranks only). Fix: freeze and unfreeze parameters "
+            "alike on every rank."
         )
     if differ("numel") or differ("dtype"):
         return (

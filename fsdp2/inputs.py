@@ -73,9 +73,9 @@ class InputHooks:
         self._generation = 0  # bumped when records are dropped: older hooks do nothing
         self._round: object = None
 
-    def hook(self, inputs: Any, round_key: object) -> bool:
+    def hook(self, inputs: Any, round_key: object) -> list[torch.Tensor]:
         """At a forward call with grad enabled. ``round_key`` names the forward-backward round;
-        records of an older round are dropped first. Whether any input requires grad."""
+        records of an older round are dropped first. Returns the inputs that require grad."""
         if round_key != self._round:
             self._round = round_key
             self.clear()
@@ -86,14 +86,14 @@ class InputHooks:
                 seen.add(id(t))
                 tensors.append(t)
         if not tensors:
-            return False
+            return tensors
         index = len(self._calls)
         # grad_fn is the gradient edge's node for any non-leaf (the usual input: an activation)
         self._calls.append(_Call([t.grad_fn or get_gradient_edge(t).node for t in tensors]))
         fn = partial(self._fired, self._generation, index)
         for t in tensors:
             self._handles.append(_prepend_hook(t, fn))
-        return True
+        return tensors
 
     def hold(self) -> None:
         """Record a call that is never done before the end of backward."""

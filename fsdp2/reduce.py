@@ -20,6 +20,18 @@ end of backward) reduces them all at once; reducing inside a nested task would r
 parameters the rest of its backward still needs. Otherwise (every parameter inside the block:
 the block is the module, or a checkpoint wraps all of it) each nested task counts and reduces
 as soon as the block is done.
+
+[Note: gradients on some ranks only]
+Whether a parameter got a gradient is a fact of this rank's batch: an MoE expert inside a block
+may get no tokens on one rank only. A collective's size must never depend on such a fact, so with
+more than one rank (or replicas) every trainable parameter of the group is in the reduce-scatter,
+zeros where this rank has no gradient: the average is then plain data parallel's, whose ranks
+without tokens add zero. A parameter no rank had a gradient for must stay ``None`` all the same
+(an optimizer skips it; zeros would still move it under momentum or weight decay), and only the
+other ranks know: each rank's chunk ends with one flag per parameter, 1 where it had a
+gradient, reduced along with the gradients, so every rank reads the same count of ranks that
+had one, without a collective of its own. ``set_reduce_scatter_unused_params(True)`` gives zeros
+to those too, and needs no flags.
 """
 
 from __future__ import annotations
@@ -35,13 +47,24 @@ from fsdp2.collectives import Pending, ReduceScatter, all_reduce, reduce_scatter
 from fsdp2.mesh import MeshInfo
 from fsdp2.param import FSDPParam
 
-__all__ = ["GradientReduction", "PendingReduce", "accumulate_grad", "local_grad"]
+__all__ = [
+    "GradientReduction",
+    "PendingReduce",
+    "Reduced",
+    "accumulate_grad",
+    "hand_over",
+    "local_grad",
+]
+
+# A reduced shard for its parameter, and, for a parameter this rank had no gradient for, the
+# reduced flag that says whether any rank had one (see [Note: gradients on some ranks only]).
+Reduced = tuple[FSDPParam, torch.Tensor, "torch.Tensor | None"]
 
 
 class PendingReduce:
     """A reduce-scatter in flight; ``finish()`` waits and returns each parameter's reduced shard."""
 
-    __slots__ = ("free_input", "group", "keep_alive", "out", "params", "pending", "use_sum")
+    __slots__ = ("free_input", "group", "keep_alive", "out", "params", "pending", "use_sum", "used")
 
     def __init__(
         self,
@@ -52,6 +75,7 @@ class PendingReduce:
         keep_alive: object,
         use_sum: bool,
         free_input: bool = False,
+        used: list[bool] | None = None,
     ) -> None:
         self.group = group
         self.pending = pending
@@ -62,6 +86,9 @@ class PendingReduce:
         # keep_alive is our own input buffer (not a custom collective's, which may reuse it):
         # free it once done, not whenever the backend drops its reference.
         self.free_input = free_input
+        # Which of ``params`` had a gradient on this rank, when ``out`` ends with one flag per
+        # parameter (see [Note: gradients on some ranks only]); None: no flags.
+        self.used = used
 
     def finished_locally(self) -> bool:
         """Whether ``finish()`` would neither block nor issue a collective: only then may a
@@ -72,7 +99,7 @@ class PendingReduce:
             return False
         return self.out is None or not self.group.finish_communicates()
 
-    def finish(self) -> list[tuple[FSDPParam, torch.Tensor]]:
+    def finish(self) -> list[Reduced]:
         self.pending.wait()
         if self.out is None:  # one rank, nothing to reduce: the gradients are the shards
             grads, self.keep_alive = self.keep_alive, None
@@ -80,7 +107,7 @@ class PendingReduce:
         if self.free_input:
             cast(torch.Tensor, self.keep_alive).untyped_storage().resize_(0)
         self.keep_alive = None
-        return self.group.finish_reduce(self.out, self.params, self.use_sum)
+        return self.group.finish_reduce(self.out, self.params, self.use_sum, self.used)
 
 
 def accumulate_grad(fsdp_param: FSDPParam, local: torch.Tensor) -> None:
@@ -101,6 +128,17 @@ def accumulate_grad(fsdp_param: FSDPParam, local: torch.Tensor) -> None:
         )
     for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
         hook(param)
+
+
+def hand_over(reduced: list[Reduced]) -> None:
+    """At the end of backward: give each parameter its reduced shard, but not one that no rank
+    had a gradient for, which stays ``None`` as in plain data parallel. Reading those flags
+    waits for their reduce-scatters: only a rank that lacked some gradient pays for it."""
+    flags = [flag for _, _, flag in reduced if flag is not None]
+    anywhere = iter(torch.stack(flags).gt(0).tolist() if flags else [])
+    for fsdp_param, shard, flag in reduced:
+        if flag is None or next(anywhere):
+            accumulate_grad(fsdp_param, shard)
 
 
 def local_grad(fsdp_param: FSDPParam, grad: torch.Tensor) -> torch.Tensor:
@@ -226,29 +264,32 @@ class GradientReduction:
         self._task = -1
         self.reduced_in_backward = True
         replicated = self.info.replicate_group is not None
-        deferring = replicated and (
-            not self.requires_all_reduce or self._replica_partial is not None
-        )
-        if self.reduce_scatter_unused or deferring:  # a fixed layout: ranks and steps agree
+        if self.world > 1 or replicated:  # see [Note: gradients on some ranks only]
             params = self.trainable
         else:
-            params = [
-                p
-                for p in self.trainable
-                if p.unsharded_param.grad is not None or p.unreduced is not None
-            ]
+            params = [p for p in self.trainable if self._has_grad(p)]
         if not params:
             return None
+        used = None
+        if (self.world > 1 or replicated) and not self.reduce_scatter_unused:
+            used = [self._has_grad(p) for p in params]
         grads = [self._take_grad(p) for p in params]
         use_sum = self.divide_factor is not None or self.force_sum_reduction
         if self.world == 1 and self.info.replicate_group is None and not use_sum:
             if self.all_reduce_hook is None:
                 return PendingReduce(self, Pending(None), None, params, grads, use_sum)
+        if self.mixed or any(g.dtype != grads[0].dtype for g in grads):
+            # _chunk_cat takes one dtype (and casts it to reduce_dtype): a mixed-dtype group's,
+            # or running sums without sync next to this backward's gradients or zeros
+            grads = [g.to(self.reduce_dtype) for g in grads]
+        if used is not None:  # one flag per parameter at the end of every rank's chunk
+            one, zero = grads[0].new_ones(1), grads[0].new_zeros(1)
+            grads.extend((one if u else zero).expand(self.world) for u in used)
         if self.world == 1:
             out = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0]
             out = out.reshape(-1).to(self.reduce_dtype)
-            return PendingReduce(self, Pending(None), out, params, None, use_sum)
-        numel = sum(p.chunk_numel for p in params)
+            return PendingReduce(self, Pending(None), out, params, None, use_sum, used=used)
+        numel = sum(p.chunk_numel for p in params) + (len(used) if used is not None else 0)
         comm = self.custom_reduce_scatter
         size, dtype, device = (self.world, numel), self.reduce_dtype, self.device
         if comm is not None:
@@ -257,8 +298,6 @@ class GradientReduction:
         else:
             inp = torch.empty(size, dtype=dtype, device=device)
             out = inp.new_empty(numel)
-        if self.mixed:  # _chunk_cat takes one dtype; it casts that to reduce_dtype
-            grads = [g.to(dtype) for g in grads]
         torch._chunk_cat(grads, dim=0, num_chunks=self.world, out=inp)  # casts to reduce_dtype
         grads.clear()  # copied: free them before the collective allocates its own buffers
         op = dist.ReduceOp.SUM if use_sum else dist.ReduceOp.AVG
@@ -268,7 +307,13 @@ class GradientReduction:
                 f"reduce_grads '{self.label}': expected a shard group to reduce over, found None"
             )
         pending = reduce_scatter(out, inp.view(-1), group, self.label, op, comm)
-        return PendingReduce(self, pending, out, params, inp, use_sum, free_input=comm is None)
+        return PendingReduce(
+            self, pending, out, params, inp, use_sum, free_input=comm is None, used=used
+        )
+
+    @staticmethod
+    def _has_grad(fsdp_param: FSDPParam) -> bool:
+        return fsdp_param.unsharded_param.grad is not None or fsdp_param.unreduced is not None
 
     def stash_grads(self) -> None:
         """Without gradient sync: move this backward's gradients onto the running unreduced sum,
@@ -309,10 +354,12 @@ class GradientReduction:
         return replicated or self.all_reduce_hook is not None
 
     def finish_reduce(
-        self, out: torch.Tensor, params: list[FSDPParam], use_sum: bool
-    ) -> list[tuple[FSDPParam, torch.Tensor]]:
+        self, out: torch.Tensor, params: list[FSDPParam], use_sum: bool, used: list[bool] | None
+    ) -> list[Reduced]:
         """After the reduce-scatter: all-reduce over replicas (HSDP), divide, run the user's
-        hook, cast to the parameters' dtype and device, and cut ``out`` into their shards."""
+        hook, cast to the parameters' dtype and device, and cut ``out`` into their shards
+        (``used``: ``out`` ends with a flag per parameter, see [Note: gradients on some ranks
+        only])."""
         info = self.info
         if info.replicate_group is not None:
             if self._replica_partial is not None:  # micro-steps whose all-reduce was deferred
@@ -327,24 +374,26 @@ class GradientReduction:
             factor = self.divide_factor or float(info.shard_size * info.replicate_size)
             if factor != 1.0:
                 out.div_(factor)
+        flags = None
+        if used is not None:
+            flags, out = out[out.numel() - len(used) :], out[: out.numel() - len(used)]
         if self.all_reduce_hook is not None:
             self.all_reduce_hook(out)
         # No-op without mp or offload. A mixed-dtype group casts each shard to its own dtype.
         out = out.to(self.sharded_flat.device, out.dtype if self.mixed else self.dtype)
-        shards = []
+        shards: list[Reduced] = []
         start = 0
-        for fsdp_param in params:
+        for i, fsdp_param in enumerate(params):
             shard = fsdp_param.local_view(out, start)
-            shards.append((fsdp_param, shard.to(fsdp_param.dtype) if self.mixed else shard))
+            flag = None if flags is None or used is None or used[i] else flags[i]
+            shards.append((fsdp_param, shard.to(fsdp_param.dtype) if self.mixed else shard, flag))
             start += fsdp_param.chunk_numel
         return shards
 
-    def own_shards(
-        self, params: list[FSDPParam], grads: list[torch.Tensor]
-    ) -> list[tuple[FSDPParam, torch.Tensor]]:
+    def own_shards(self, params: list[FSDPParam], grads: list[torch.Tensor]) -> list[Reduced]:
         """With one rank and no replicas, each whole gradient is the shard: no copy, no cut."""
         device = self.sharded_flat.device
-        shards = []
+        shards: list[Reduced] = []
         for p, g in zip(params, grads, strict=True):
             # Usually already the shard's shape, dtype and device: skip the calls (per step,
             # per parameter, they were the largest single cost of a one-rank backward).
@@ -352,5 +401,5 @@ class GradientReduction:
                 g = g.reshape(p.local_shape)
             if g.dtype != p.dtype or g.device != device:
                 g = g.to(device, p.dtype)
-            shards.append((p, g))
+            shards.append((p, g, None))
         return shards

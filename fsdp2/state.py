@@ -39,11 +39,10 @@ from torch.autograd import Variable
 from fsdp2.agreement import check_materialized
 from fsdp2.changes import take_up_changes
 from fsdp2.inputs import InputHooks
-from fsdp2.param import FSDPParam
 from fsdp2.param_group import FSDPParamGroup
 from fsdp2.policies import MixedPrecisionPolicy, cast_floats
-from fsdp2.reduce import PendingReduce, accumulate_grad
-from fsdp2.tree import tensors_in
+from fsdp2.reduce import PendingReduce, Reduced, hand_over
+from fsdp2.tree import map_tensors, tensors_in
 
 __all__ = ["FSDPState", "IterContext", "TrainingState"]
 
@@ -86,10 +85,13 @@ class IterContext:
         self.in_flight: deque[PendingReduce] = deque()  # reduce-scatters not waited for yet
         # Reduced shards are handed to the parameters only when backward ends, so a backward
         # that raises leaves no partial gradients behind (see reset()).
-        self.reduced: list[tuple[FSDPParam, torch.Tensor]] = []
+        self.reduced: list[Reduced] = []
         self.callback_queued = False
         self.num_backwards = 0  # ends of backward so far: with the iteration, names a round
         self.num_forwards = 0  # sharded forward calls so far: which ran inside which
+        # The root's forward is running with grad enabled: a nested forward under no_grad is then
+        # part of a training step (a reentrant checkpoint's first pass), not an evaluation.
+        self.training_forward = False
         self.is_last_backward = True
         self.post_optim_event: torch.Event | None = None
 
@@ -109,9 +111,11 @@ class IterContext:
             self.post_optim_event = None
         self.iteration += 1
         self.recording = []
+        self.training_forward = torch.is_grad_enabled()
 
     def end_forward(self) -> None:
         self.forward_order = self.recording
+        self.training_forward = False
 
     def queue_end_of_backward(self) -> None:
         if not self.callback_queued:
@@ -155,8 +159,7 @@ class IterContext:
         if self.is_last_backward:
             while self.in_flight:
                 self.reduced.extend(self.in_flight.popleft().finish())
-        for fsdp_param, shard in self.reduced:
-            accumulate_grad(fsdp_param, shard)
+        hand_over(self.reduced)
         self.reduced = []
         for state in self.states:
             for group in state.groups:
@@ -182,7 +185,9 @@ class IterContext:
                 group.backward_task = -1
                 group.reshard()
             state.training_state = TrainingState.IDLE
+            state._call_inputs = []
         self.callback_queued = False
+        self.training_forward = False
 
 
 class FSDPState:
@@ -218,6 +223,7 @@ class FSDPState:
         self.inputs = InputHooks(self._inputs_done)  # see [Note: when a module's backward is done]
         self._call_start = 0  # ctx.num_forwards when this state's current forward call began
         self._call_unhooked = False  # that call runs with grad, but no input requires it
+        self._call_inputs: list[torch.Tensor] = []  # that call's inputs that require grad
         for group in groups:
             group.on_grads_ready = partial(self._post_backward, group)
 
@@ -301,9 +307,12 @@ class FSDPState:
             ctx.record(group)
         ctx.num_forwards += 1
         self._call_start = ctx.num_forwards
-        self._call_unhooked = torch.is_grad_enabled() and not self.inputs.hook(
-            (args, kwargs), (ctx.iteration, ctx.num_backwards)
+        self._call_inputs = (
+            self.inputs.hook((args, kwargs), (ctx.iteration, ctx.num_backwards))
+            if torch.is_grad_enabled()
+            else []
         )
+        self._call_unhooked = torch.is_grad_enabled() and not self._call_inputs
         if self.forward_prefetch is not None:
             for target in self.forward_prefetch:
                 target.unshard()
@@ -337,7 +346,7 @@ class FSDPState:
             # parameters gathered for it (the group reshards once its gradients are reduced).
             self.training_state = TrainingState.IDLE
             if grad_enabled:
-                self._hook_outputs(output)
+                output = self._hook_outputs(output)
             return output
         if self.groups:
             _trace("post_forward", self.fqn)
@@ -347,8 +356,13 @@ class FSDPState:
                 # so nothing here says when they are done; wait for the end of backward.
                 self.inputs.hold()
             every_member_ran = self._member_ran(module)
+            # Under no_grad inside a training forward (a reentrant checkpoint, whose backward
+            # recomputes this forward), reshard as in any training forward: torch keeps
+            # reshard_after_forward=False groups gathered there, and their recompute gathers
+            # nothing. Outside one, this forward is an evaluation: free every group.
+            evaluating = not grad_enabled and not self.require_ctx().training_forward
             for group in self.groups:
-                if not grad_enabled:
+                if evaluating:
                     group.reshard()
                 elif self.reshard_after_forward and every_member_ran:
                     group.reshard_partial()
@@ -357,7 +371,7 @@ class FSDPState:
             self.require_ctx().end_forward()
             self._free_unused(everything=not grad_enabled)
         if grad_enabled:
-            self._hook_outputs(output)
+            output = self._hook_outputs(output)
         return output
 
     def _member_ran(self, module: object) -> bool:
@@ -386,10 +400,22 @@ class FSDPState:
             if everything or (group.seen_in != ctx.iteration and group.unshard_pending):
                 group.reshard()
 
-    def _hook_outputs(self, output: Any) -> None:
-        for tensor in tensors_in(output):
+    def _hook_outputs(self, output: Any) -> Any:
+        """Hook the outputs that require grad. An input handed back as it came (T5's blocks
+        pass ``position_bias`` on) is returned as an alias: the input's own gradient is complete
+        only after this module's backward, so hooked it would gather the group a second time,
+        and, as every later block's input, it would hold all of them gathered until the first
+        one's backward (torch's outputs are likewise new tensors, made by its input hooks)."""
+        passed_in, self._call_inputs = self._call_inputs, []
+        tensors = tensors_in(output)
+        if passed_in and any(t is p for t in tensors for p in passed_in):
+            ids = {id(t) for t in passed_in}
+            output = map_tensors(lambda t: t.view_as(t) if id(t) in ids else t, output)
+            tensors = tensors_in(output)
+        for tensor in tensors:
             if tensor.requires_grad:
                 tensor.register_hook(self._pre_backward)  # type: ignore[no-untyped-call]
+        return output
 
     # -- backward ---------------------------------------------------------------------------------
 

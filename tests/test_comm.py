@@ -57,6 +57,7 @@ def _ground_truth(name: str, step: int) -> dict[str, Any]:
                 "label": g.label,
                 "shapes": [tuple(p.shape) for p in g.params.values()],
                 "with_grad": [p.grad is not None for p in g.params.values()],
+                "trainable": [p.requires_grad for p in g.params.values()],
             }
             for g in groups
         ],
@@ -134,13 +135,12 @@ def expected_records(
         forward.append(("all_gather", label, ag, ag * world_size))
         if _resharded(label, reshard_after_forward):
             backward.append(("all_gather", label, ag, ag * world_size))
-        grad_shapes = [
-            s
-            for s, g in zip(by_label[label]["shapes"], by_label[label]["with_grad"], strict=True)
-            if g
-        ]
-        if grad_shapes:
-            rs = shard_nbytes(grad_shapes)
+        group = by_label[label]
+        if any(group["with_grad"]):
+            # Every trainable parameter, used or not, and one flag each (whether this rank had
+            # its gradient): [Note: gradients on some ranks only] in fsdp2/reduce.py.
+            trained = [s for s, t in zip(group["shapes"], group["trainable"], strict=True) if t]
+            rs = shard_nbytes(trained) + len(trained) * FP32_BYTES
             backward.append(("reduce_scatter", label, rs * world_size, rs))
     return {"forward": forward, "backward": sorted(backward), "optimizer": []}
 

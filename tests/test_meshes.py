@@ -195,8 +195,14 @@ def _replicate(how: str) -> dict[str, Any]:
         shard_mlp(model, apply, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate="dp"))
     check_layout(model, ref, (Replicate(),), 0, 1)
     result = train_side_by_side(model, ref, MLP_BATCH, dp_rank=dist.get_rank(), dp_size=4)
-    whole = {f"blocks.{i}": nbytes(block) for i, block in enumerate(model.blocks)}
-    whole[""] = nbytes(model.head)  # the root's own parameters
+
+    # Each group's whole gradients, and one fp32 flag per parameter (whether this rank had its
+    # gradient: [Note: gradients on some ranks only] in fsdp2/reduce.py).
+    def with_flags(module: nn.Module) -> int:
+        return nbytes(module) + 4 * len(list(module.parameters()))
+
+    whole = {f"blocks.{i}": with_flags(block) for i, block in enumerate(model.blocks)}
+    whole[""] = with_flags(model.head)  # the root's own parameters
     ar_bytes = {r.label: r.input_nbytes for r in result.records[-1] if r.kind == "all_reduce"}
     return {
         "class": type(model).__name__,
@@ -328,8 +334,9 @@ def _ignored() -> dict[str, Any]:
 def test_ignored_params() -> None:
     for result in run_on_ranks(2, _ignored):
         assert result["grads_differ"]
-        # blocks.0 gathers and reduces only its bias: 16 floats, 8 per rank.
-        assert result["bytes"] == [("all_gather", 8 * 4), ("reduce_scatter", 16 * 4)]
+        # blocks.0 gathers and reduces only its bias: 16 floats, 8 per rank, and each rank's
+        # chunk its flag ([Note: gradients on some ranks only] in fsdp2/reduce.py).
+        assert result["bytes"] == [("all_gather", 8 * 4), ("reduce_scatter", (16 + 2) * 4)]
 
 
 # ---------------------------------------------------------------------------------------------

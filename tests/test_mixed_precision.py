@@ -86,8 +86,10 @@ def _dtypes(reduce_dtype: str | None) -> dict[str, Any]:
     shard = {k: sum(padded_shard_numel(p.shape, world) for p in ps) for k, ps in shapes.items()}
     reduce_bytes = (DTYPES[reduce_dtype] or BF16).itemsize
     expected = {("all_gather", k, n * 2, world * n * 2) for k, n in shard.items()}
+    # Each rank's chunk ends with a flag per parameter ([Note: gradients on some ranks only]).
+    chunk = {k: n + len(shapes[k]) for k, n in shard.items()}
     expected |= {
-        ("reduce_scatter", k, world * n * reduce_bytes, n * reduce_bytes) for k, n in shard.items()
+        ("reduce_scatter", k, world * n * reduce_bytes, n * reduce_bytes) for k, n in chunk.items()
     }
     actual = {(r.kind, r.label, r.input_nbytes, r.output_nbytes) for r in records}
     return {"seen": seen, "loss": loss.dtype, "bytes": (sorted(actual), sorted(expected))}

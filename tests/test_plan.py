@@ -305,17 +305,17 @@ class TestPlanText(expecttest.TestCase):
                 """\
 fsdp2.plan: world 2, 756 parameters, per rank
   parameters (sharded)                 1.48 KiB  (padding 0 B)
-  gradients                            1.48 KiB  (padding 0 B)
+  gradients                            1.51 KiB  (padding 32 B)
   optimizer state (adamw)              2.95 KiB
   buffers                              0 B
-  held between steps                   5.91 KiB
+  held between steps                   5.94 KiB
   FSDP transient, forward              2.39 KiB  at blocks.1
-  FSDP transient, backward             4.78 KiB  at blocks.1
+  FSDP transient, backward             4.83 KiB  at blocks.1
   activations (fake-tensor run)        -
-  peak                                 10.69 KiB
+  peak                                 10.77 KiB
   all_gather per step                  7 x, 5.64 KiB payload
-  reduce_scatter per step              4 x, 2.95 KiB payload
-  sent (= received) per rank per step  4.30 KiB
+  reduce_scatter per step              4 x, 3.02 KiB payload
+  sent (= received) per rank per step  4.33 KiB
   group     params  unsharded  shard  reshard after fwd
   <root>        68      272 B  136 B                 no
   blocks.0     144      576 B  288 B                yes

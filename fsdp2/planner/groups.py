@@ -71,10 +71,14 @@ def _facts(group: FSDPParamGroup, label: str, is_root: bool, reshard: bool) -> G
     reduce_unit = group.reduce_dtype.itemsize
     trainable = group.trainable
     chunk_numel = sum(p.chunk_numel for p in trainable)
+    # Each rank's chunk also carries a flag per parameter: [Note: gradients on some ranks only]
+    flags = len(trainable) if (world > 1 or replicas) and not group.reduce_scatter_unused else 0
     if group.mixed:  # each reduced shard is cast to its own dtype: real rows only
         grad_bytes = sum(p.local_numel * p.dtype.itemsize for p in trainable)
     else:  # the reduce-scatter's output (one buffer, padding included) in the parameters' dtype
-        grad_bytes = chunk_numel * group.dtype.itemsize
+        # and its flags, unless a cast or a copy to the shards' device leaves them behind
+        kept = group.reduce_dtype == group.dtype and group.offload is None
+        grad_bytes = (chunk_numel + (flags if kept else 0)) * group.dtype.itemsize
     partial = group.partial_group
     return GroupFacts(
         label=label,
@@ -97,8 +101,8 @@ def _facts(group: FSDPParamGroup, label: str, is_root: bool, reshard: bool) -> G
         grad_real_bytes=sum(p.local_numel * p.dtype.itemsize for p in trainable),
         grad_last_bytes=sum(_last_rank_bytes(p, world) for p in trainable),
         unsharded_grad_bytes=sum(p.numel * p.param_dtype.itemsize for p in trainable),
-        reduce_in_bytes=world * chunk_numel * reduce_unit if world > 1 else 0,
-        reduce_out_bytes=chunk_numel * reduce_unit if world > 1 or replicas else 0,
+        reduce_in_bytes=world * (chunk_numel + flags) * reduce_unit if world > 1 else 0,
+        reduce_out_bytes=(chunk_numel + flags) * reduce_unit if world > 1 or replicas else 0,
         trainable_local_numel=sum(p.local_numel for p in trainable),
         trainable_local_bytes=sum(p.local_numel * p.dtype.itemsize for p in trainable),
     )
