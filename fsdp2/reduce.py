@@ -31,7 +31,10 @@ without tokens add zero. A parameter no rank had a gradient for must stay ``None
 other ranks know: each rank's chunk ends with one flag per parameter, 1 where it had a
 gradient, reduced along with the gradients, so every rank reads the same count of ranks that
 had one, without a collective of its own. ``set_reduce_scatter_unused_params(True)`` gives zeros
-to those too, and needs no flags.
+to those too, and needs no flags. A group with no gradient at all on this rank reduces nothing:
+that is a backward for inputs only (``torch.autograd.grad`` of an input, pipelining's shape
+inference), which every rank runs alike; a group made only of experts that one rank's tokens all
+missed is the one case this leaves rank-dependent (the hang report names it).
 """
 
 from __future__ import annotations
@@ -266,6 +269,14 @@ class GradientReduction:
         replicated = self.info.replicate_group is not None
         if self.world > 1 or replicated:  # see [Note: gradients on some ranks only]
             params = self.trainable
+            deferring = replicated and (
+                not self.requires_all_reduce or self._replica_partial is not None
+            )
+            if not (self.reduce_scatter_unused or deferring or any(map(self._has_grad, params))):
+                # No gradient at all on this rank: a backward for inputs only (autograd.grad,
+                # pipelining's shape inference), which every rank runs alike. torch reduces
+                # nothing there either.
+                return None
         else:
             params = [p for p in self.trainable if self._has_grad(p)]
         if not params:

@@ -329,7 +329,7 @@ class TestHangWithoutDeadline(expecttest.TestCase):
 fsdp2: rank 0 waited N s (FSDP2_COLLECTIVE_TIMEOUT) for the all-gather #17 for `<root>` (18 elements, float32) on the process group of ranks [0, 1], and it has not finished.
 Where each rank is (from the c10d store):
   rank 0 (this rank): blocked in it
-  rank 1: MISSING, issued only #0-#16 on this group; not in an fsdp2 collective (busy elsewhere, finished or raised); last seen N s ago issuing reduce-scatter #16 for `<root>` (36 elements, float32) [published N s ago]
+  rank 1: MISSING, issued only #0-#16 on this group; not in an fsdp2 collective (busy elsewhere, finished or raised); last seen N s ago issuing reduce-scatter #16 for `<root>` (40 elements, float32) [published N s ago]
 A rank MISSING from it skipped that module (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs or shapes), raised, or never started the step. A rank on a DIFFERENT collective got out of step earlier: collectives pair up by order, not by module, so earlier ones may have exchanged wrong data. The process group is unusable now (a collective is half done): abort the job on every rank. FSDP2_CHECK_COLLECTIVES=1 stops at the first collective where the ranks disagree, with both sides named.
 This backend's works reject a finite timeout: fsdp2 cannot end the wait, which goes on until the backend's own timeout.""",
         )
@@ -341,6 +341,6 @@ This backend's works reject a finite timeout: fsdp2 cannot end the wait, which g
 CollectiveFailedError: fsdp2: rank 0 was waiting for the all-gather #17 for `<root>` (18 elements, float32) on the process group of ranks [0, 1] when the backend raised RuntimeError: Timed out waiting 8000ms for send/recv operation to complete
 Where each rank is (from the c10d store):
   rank 0 (this rank): waiting in it
-  rank 1: MISSING, issued only #0-#16 on this group; not in an fsdp2 collective (busy elsewhere, finished or raised); last seen N s ago issuing reduce-scatter #16 for `<root>` (36 elements, float32) [published N s ago]
+  rank 1: MISSING, issued only #0-#16 on this group; not in an fsdp2 collective (busy elsewhere, finished or raised); last seen N s ago issuing reduce-scatter #16 for `<root>` (40 elements, float32) [published N s ago]
 Likely cause: the backend's own timeout passed (its works take no finite timeout, so FSDP2_COLLECTIVE_TIMEOUT could not end the wait sooner): a rank MISSING from this collective skipped that module, raised, or never started the step. The process group is unusable now: abort the job on every rank.""",
         )

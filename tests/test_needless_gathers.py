@@ -211,3 +211,43 @@ def test_block_returning_its_input_is_gathered_once(ac: str) -> None:
             forward = ["AG"] * (NUM_BLOCKS + 1)
             backward = ["AG", "AG", "RS", "AG", "RS", "AG", "RS", "RS", "RS"]
             assert orders == [forward + backward] * NUM_STEPS
+
+
+# ---------------------------------------------------------------------------------------------
+# A backward for the inputs only
+# ---------------------------------------------------------------------------------------------
+
+
+def _input_grad_steps(impl: str) -> list[Any]:
+    """Adversarial training (FGSM): each step first takes the loss's gradient with respect to
+    the input alone (``torch.autograd.grad``), perturbs the input along it, then trains on the
+    perturbed batch. The first backward gives no parameter a gradient on any rank."""
+    fully_shard = fsdp_api(impl).fully_shard
+    t = Lockstep(functools.partial(Checkpointed, False), _batch)
+    for block in t.model.blocks:  # type: ignore[union-attr]
+        fully_shard(block)
+    fully_shard(t.model)
+    t.make_optimizers()
+    counts = []
+    for step in range(NUM_STEPS):
+        x, y = t.local(step)
+        x = x.requires_grad_()
+        with CollectiveCounter() as counter:
+            (grad_x,) = torch.autograd.grad(t.model(x, y), x)
+        counts.append(dict(counter.counts))
+        if any(p.grad is not None for p in t.model.parameters()):
+            raise AssertionError(f"{impl}: a parameter got a gradient from an input-only backward")
+        loss = t.model(x.detach() + 0.01 * grad_x.sign(), y)
+        loss.backward()
+        t.optim_step()
+    return counts
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_input_only_backward_reduces_nothing(impl: str) -> None:
+    """``torch.autograd.grad`` of the input alone (adversarial examples, saliency,
+    pipelining's shape inference): fsdp2 reduce-scatters nothing, as torch; the all-gathers
+    are the forward's (every group once) and the blocks' again in backward."""
+    groups = NUM_BLOCKS + 1
+    for counts in run_on_ranks(2, _input_grad_steps, impl):
+        assert counts == [{"allgather": groups + NUM_BLOCKS}] * NUM_STEPS, counts
