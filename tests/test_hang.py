@@ -337,6 +337,6 @@ class TestRankExitsEarly(expecttest.TestCase):
 CollectiveFailedError: fsdp2: rank 0 was waiting for the all-gather #17 for `<root>` (18 elements, float32) on the process group of ranks [0, 1] when the backend raised RuntimeError: <gloo's message>
 Where each rank is (from the c10d store):
   rank 0 (this rank): waiting in it
-  rank 1: MISSING, issued only #0-#16 on this group; its process EXITED N s ago (normally), after issuing reduce-scatter #16 for `<root>` (36 elements, float32) [published N s ago]
+  rank 1: MISSING, issued only #0-#16 on this group; its process EXITED N s ago (normally), after issuing reduce-scatter #16 for `<root>` (40 elements, float32) [published N s ago]
 Likely cause: a peer rank is gone. A rank whose process EXITED ended its training loop before the others (e.g. its data loader ran out of batches first); one that published nothing more may have crashed (see its own log). Fix: give every rank the same number of batches (DistributedSampler(..., drop_last=True), or stop every rank's loop when one runs out). The process group is unusable now: abort the job on every rank.""",
         )
