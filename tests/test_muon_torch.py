@@ -180,6 +180,28 @@ def test_loads_a_state_dict_saved_by_torch_muon() -> None:
     )
 
 
+def test_loads_fsdp2s_state_dicts_from_before_torchs_names() -> None:
+    """Groups saved with ``adjust_lr`` ("spectral": torch's "original"), a ``torch.dtype``
+    ``ns_dtype`` and no ``ns_coefficients`` load; ``adjust_lr=None`` (no scaling) is refused."""
+    net = _net()
+    opt = _muon()(net.parameters(), lr=0.02)
+    _train(list(net.parameters()), opt)
+    saved = opt.state_dict()
+    for group in saved["param_groups"]:
+        del group["adjust_lr_fn"], group["ns_coefficients"]
+        group.update(adjust_lr="spectral", ns_dtype=torch.float32)
+    fresh = _muon()(_net().parameters())
+    fresh.load_state_dict(saved)
+    assert fresh.param_groups[0]["adjust_lr_fn"] == "original"
+    assert "adjust_lr" not in fresh.param_groups[0] and fresh.param_groups[0]["lr"] == 0.02
+    _train(list(fresh.param_groups[0]["params"]) + list(fresh.param_groups[1]["params"]), fresh, 1)
+    saved["param_groups"][0]["adjust_lr"] = None
+    assert_expected_inline(
+        raised(lambda: _muon()(_net().parameters()).load_state_dict(saved)),
+        """ValueError: Muon.load_state_dict: the state dict's adjust_lr=None (no scaling) has no equivalent now that Muon takes torch.optim.Muon's adjust_lr_fn; set group['adjust_lr_fn'] in the state dict's param_groups to 'original' or 'match_rms_adamw' to load it""",
+    )
+
+
 def test_adamw_params_not_in_params_train() -> None:
     """``Muon(matrices, adamw_params=rest)`` (torch's two-list recipe) trains ``rest``, exactly
     as ``rest`` listed in both places does."""

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ParamsT", "from_unsplit_state_dict", "split_groups"]
+__all__ = ["ParamsT", "from_unsplit_state_dict", "split_groups", "upgrade_groups"]
 
 ParamsT = Iterable[torch.Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, torch.Tensor]]
 
@@ -109,3 +109,26 @@ def from_unsplit_state_dict(
         groups.append({**mine, **src, "use_muon": is_matrix, "params": ids})
         index += len(ids)
     return {"state": state, "param_groups": groups}
+
+
+def upgrade_groups(
+    saved: dict[str, Any], current: list[dict[str, Any]], who: str
+) -> dict[str, Any]:
+    """A state dict of fsdp2's own, from before Muon took torch.optim.Muon's argument names:
+    ``adjust_lr`` becomes ``adjust_lr_fn``, and settings the groups did not have yet
+    (``ns_coefficients``) come from this optimizer's groups."""
+    groups = []
+    for group, mine in zip(saved["param_groups"], current, strict=False):
+        group = {**{k: v for k, v in mine.items() if k != "params"}, **group}
+        if "adjust_lr" in group and group.get("use_muon"):
+            old = group.pop("adjust_lr")
+            if old not in ("spectral", "match_rms_adamw"):
+                raise ValueError(
+                    f"{who}.load_state_dict: the state dict's adjust_lr={old!r} (no scaling) has "
+                    "no equivalent now that Muon takes torch.optim.Muon's adjust_lr_fn; set "
+                    "group['adjust_lr_fn'] in the state dict's param_groups to 'original' or "
+                    "'match_rms_adamw' to load it"
+                )
+            group["adjust_lr_fn"] = "original" if old == "spectral" else old
+        groups.append(group)
+    return {**saved, "param_groups": groups + saved["param_groups"][len(groups) :]}

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from fsdp2.optim.groups import ParamsT, from_unsplit_state_dict, split_groups
+from fsdp2.optim.groups import ParamsT, from_unsplit_state_dict, split_groups, upgrade_groups
 from fsdp2.optim.owners import MatrixLayout, assign_owners, exchange, matrix_layout
 
 __all__ = ["MatrixOptimizer", "ParamsT"]
@@ -120,6 +120,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
             state_dict = from_unsplit_state_dict(
                 state_dict, super().state_dict(), use_muon, type(self).__name__
             )
+        else:  # fsdp2's own, maybe from before torch's names: add what its groups lack
+            state_dict = upgrade_groups(state_dict, self.param_groups, type(self).__name__)
         super().load_state_dict(state_dict)
 
     def matrix_params(self) -> list[tuple[torch.Tensor, dict[str, Any]]]:
