@@ -3,6 +3,11 @@ copy of the process; the job's group, and its training, are untouched."""
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import expecttest
@@ -83,3 +88,34 @@ def _plan_error_inside_process_group() -> tuple[str, int]:
         if "_failing_build" not in "".join(getattr(e, "__notes__", [])):
             bad_build += " (the forked traceback is missing)"
     return f"{bad_world} | {bad_build}", dist.get_world_size()
+
+
+JOB = """
+import os, sys
+import torch.distributed as dist
+import fsdp2
+from tests.models import MODELS
+
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("gloo", rank=0, world_size=1)  # a fresh job: no collective run yet
+plan = fsdp2.plan(MODELS["mlp"].build, world_size=1024)
+print("planned", plan.world_size, dist.get_world_size(), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_plan_in_a_fresh_job() -> None:
+    """A script's first act after init_process_group: plan (its gloo group has never run a
+    collective; destroying its copy in the forked planner once aborted there)."""
+    root = str(Path(__file__).resolve().parents[1])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run(
+        [sys.executable, "-c", JOB, str(port)],
+        env={**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert proc.returncode == 0 and "planned (1024,) 1" in proc.stdout, proc.stderr[-3000:]

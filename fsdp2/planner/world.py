@@ -62,7 +62,11 @@ def fake_mesh(shape: tuple[int, ...]) -> Iterator[DeviceMesh]:
         names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
         yield init_device_mesh("cpu", shape, mesh_dim_names=names)
     finally:
-        dist.destroy_process_group()
+        if not _forked:
+            # In a forked copy this would also unregister the job's copied groups from c10d's
+            # registry, and destroying gloo's copies (their threads stayed in the parent)
+            # aborts; the copy ends with os._exit instead.
+            dist.destroy_process_group()
 
 
 def beside_live_group(fn: Callable[[], Any]) -> Any:
@@ -99,9 +103,14 @@ def beside_live_group(fn: Callable[[], Any]) -> Any:
     raise value
 
 
+_forked = False  # True in the planner's forked copy of a process with a live group
+
+
 def _run_forked(fn: Callable[[], Any], write: int) -> NoReturn:
     from torch.distributed import distributed_c10d
 
+    global _forked
+    _forked = True
     try:
         distributed_c10d._world = distributed_c10d._World()
         result: tuple[bool, Any, str] = (True, fn(), "")
