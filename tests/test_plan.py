@@ -31,16 +31,6 @@ from tests.harness import run_on_ranks
 from tests.models import MODELS, build_model, make_batch
 from tests.parity import MODEL_SEED, batch_seed
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _no_default_group() -> None:
-    """fsdp2.plan makes the default group a fake one, so it refuses while one exists; other test
-    modules leave a 1-rank gloo group in this process (init_local_process_group). Take it down:
-    the next test that needs it makes it again."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 pytestmark = pytest.mark.usefixtures("fsdp2_only")
 
 BF16 = fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -68,6 +58,49 @@ def shard_blocks_hsdp(model: nn.Module, mesh: DeviceMesh) -> None:
 SHARDERS = {"plain": shard_blocks, "bf16": shard_blocks_bf16, "hsdp": shard_blocks_hsdp}
 
 
+def frozen_first() -> nn.Module:
+    """The MLP stack with its first block frozen: backward never reaches it (its input needs no
+    gradient), so on CPU it is not gathered again; on accelerators block 1 prefetches it."""
+    model = MODELS["mlp"].build()
+    model.blocks[0].requires_grad_(False)  # type: ignore[index]
+    return model
+
+
+class ExpertBlock(nn.Module):
+    """A 3-D stack of expert matrices (5 experts: uneven over 2 and 4 ranks) and a router."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(16, 5)
+        self.experts = nn.Parameter(torch.randn(5, 16, 16) / 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = self.router(x).softmax(-1)
+        return x + torch.einsum("be,eij,bj->bi", weights, self.experts, x)
+
+
+def experts() -> nn.Module:
+    model = MODELS["mlp"].build()
+    model.blocks = nn.ModuleList(ExpertBlock() for _ in range(2))
+    model.blocks.insert(0, nn.Sequential(nn.Linear(8, 16), nn.ReLU()))
+    return model
+
+
+# Models of this file (built from MODELS' seed, fed the MLP's batches).
+LOCAL_MODELS = {"frozen_first": frozen_first, "experts": experts}
+
+
+def _build(model_name: str) -> nn.Module:
+    if model_name in LOCAL_MODELS:
+        torch.manual_seed(MODEL_SEED)
+        return LOCAL_MODELS[model_name]()
+    return build_model(model_name, MODEL_SEED)
+
+
+def _builder(model_name: str) -> Any:
+    return LOCAL_MODELS.get(model_name) or MODELS[model_name].build
+
+
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:
     """Bytes of the storages behind ``tensors``, each once (as benchmarks/scale.py counts)."""
     storages = {}
@@ -77,19 +110,27 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
-def _real_step(model_name: str, sharder: str, mesh_shape: tuple[int, ...]) -> dict[str, Any]:
-    """One AdamW step on this rank; what it holds afterwards and what it sent."""
+def _real_step(
+    model_name: str, sharder: str, mesh_shape: tuple[int, ...], prefetch: bool = False
+) -> dict[str, Any]:
+    """One AdamW step on this rank; what it holds afterwards and what it sent. ``prefetch``:
+    the groups guess prefetches as on an accelerator (``guess_prefetch``; CPU meshes do not)."""
     from fsdp2.collectives import record_collectives
     from fsdp2.module import state_of
 
-    model = build_model(model_name, MODEL_SEED)
+    model = _build(model_name)
     if len(mesh_shape) == 2:
         names = ("replicate", "shard")
         shard_blocks_hsdp(model, init_device_mesh("cpu", mesh_shape, mesh_dim_names=names))
     else:
         SHARDERS[sharder](model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    batch = make_batch(model_name, batch_seed(0, dist.get_rank()), 2)
+    for group in {
+        id(g): g for m in model.modules() if (s := state_of(m)) for g in s.groups
+    }.values():
+        group.guess_prefetch = prefetch
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    data = "mlp" if model_name in LOCAL_MODELS else model_name
+    batch = make_batch(data, batch_seed(0, dist.get_rank()), 2)
     with record_collectives() as records:
         model(*batch).backward()
     opt.step()
@@ -107,10 +148,10 @@ def _real_step(model_name: str, sharder: str, mesh_shape: tuple[int, ...]) -> di
     }
 
 
-def _plan(model_name: str, sharder: str, world_size: int | tuple[int, int]) -> fsdp2.Plan:
-    return fsdp2.plan(
-        MODELS[model_name].build, SHARDERS[sharder], world_size=world_size, device="cpu"
-    )
+def _plan(
+    model_name: str, sharder: str, world_size: int | tuple[int, int], device: str = "cpu"
+) -> fsdp2.Plan:
+    return fsdp2.plan(_builder(model_name), SHARDERS[sharder], world_size=world_size, device=device)
 
 
 @pytest.mark.parametrize(
@@ -122,6 +163,10 @@ def _plan(model_name: str, sharder: str, world_size: int | tuple[int, int]) -> f
         ("gpt", "plain", 1),
         ("gpt", "hsdp", (1, 2)),
         ("mlp", "hsdp", (2, 1)),
+        ("frozen", "plain", 2),
+        ("frozen_first", "plain", 2),
+        ("experts", "plain", 4),
+        ("experts", "bf16", 2),
     ],
 )
 def test_plan_matches_real_run(
@@ -129,7 +174,8 @@ def test_plan_matches_real_run(
 ) -> None:
     """Bytes held between steps and collectives per step: exactly what rank 0 allocates and
     sends (odd_shapes pads; bf16 gathers in bf16 and reduces in fp32; one rank sends nothing;
-    HSDP all-reduces over the replicas, even one)."""
+    HSDP all-reduces over the replicas, even one; frozen parameters get no gradient or state,
+    and a frozen first block is not gathered in backward; 3-D expert stacks split unevenly)."""
     plan = _plan(model_name, sharder, world_size)
     shape = (world_size,) if isinstance(world_size, int) else world_size
     ranks = run_on_ranks(math.prod(shape), _real_step, model_name, sharder, shape, timeout=120)
@@ -155,6 +201,23 @@ def test_plan_matches_real_run(
         assert predicted == real["records"]
     if model_name == "odd_shapes" and world_size > 1:
         assert plan.param_padding_bytes > 0  # the case is there to exercise padding
+
+
+def _records(plan: fsdp2.Plan) -> list[tuple[Any, ...]]:
+    return [
+        (c.kind, c.label, c.input_nbytes, c.output_nbytes, c.world_size) for c in plan.collectives
+    ]
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "frozen", "frozen_first", "gpt"])
+def test_backward_gathers_follow_the_devices_prefetch(model_name: str) -> None:
+    """A plan for an accelerator (``device="cuda"``) against a CPU run whose groups prefetch as
+    on an accelerator: every collective, in order (the frozen first block is gathered by block
+    1's prefetch; on CPU, by nothing: test_plan_matches_real_run)."""
+    plan = _plan(model_name, "plain", 2, device="cuda")
+    real = run_on_ranks(2, _real_step, model_name, "plain", (2,), True, timeout=120)[0]
+    assert _records(plan) == real["records"]
+    assert plan.held_bytes == _plan(model_name, "plain", 2).held_bytes  # the device: no matter
 
 
 def _rss_bytes() -> int:
@@ -249,21 +312,9 @@ class TestPlanErrors(expecttest.TestCase):
         )
 
     def test_process_group_untouched_after_plan(self) -> None:
+        before = dist.group.WORLD if dist.is_initialized() else None
         fsdp2.plan(MODELS["mlp"].build, world_size=4)
-        assert not dist.is_initialized()
-
-    def test_real_process_group_left_alone(self) -> None:
-        text, world = run_on_ranks(1, _plan_inside_process_group, timeout=60)[0]
-        self.assertEqual(world, 1)  # the rank's own group is still there
-        self.assertExpectedInline(
-            text,
-            """PlanError: fsdp2.plan shards over a fake process group of its own, but a process group is already initialized in this process. Plan before init_process_group(), or from the command line: python -m fsdp2.plan ...""",
-        )
-
-
-def _plan_inside_process_group() -> tuple[str, int]:
-    text = raised(lambda: fsdp2.plan(MODELS["mlp"].build, world_size=4))
-    return text, dist.get_world_size()
+        assert (dist.group.WORLD if dist.is_initialized() else None) is before
 
 
 def test_cli(capsys: pytest.CaptureFixture[str]) -> None:

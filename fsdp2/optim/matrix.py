@@ -30,11 +30,10 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from fsdp2.optim.groups import ParamsT, from_unsplit_state_dict, split_groups, upgrade_groups
 from fsdp2.optim.owners import MatrixLayout, assign_owners, exchange, matrix_layout
 
 __all__ = ["MatrixOptimizer", "ParamsT"]
-
-ParamsT = Iterable[torch.Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, torch.Tensor]]
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -48,24 +47,31 @@ def local(t: torch.Tensor) -> torch.Tensor:
 class MatrixOptimizer(torch.optim.Optimizer):
     """Matrix params (2-D, and 3-D stacks) get a whole-matrix step; every other parameter, and
     the ones the user sends there (``adamw_params``, or a group with ``use_muon=False``), AdamW.
-    See [Note: the matrix optimizer protocol]."""
+    See [Note: the matrix optimizer protocol] and [Note: the matrix part and the AdamW part]
+    (fsdp2/optim/groups.py)."""
 
     def __init__(
         self,
         params: ParamsT,
         defaults: dict[str, Any],
         *,
-        adamw_params: Iterable[torch.Tensor] = (),
+        adamw_params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]] = (),
         adamw_lr: float = 3e-4,
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.0,
     ) -> None:
+        who = type(self).__name__
+        for name, value in (("adamw_lr", adamw_lr), ("adamw_weight_decay", adamw_weight_decay)):
+            if not value >= 0.0:
+                raise ValueError(f"{who}: {name} must be >= 0, got {value}")
         # The AdamW groups' settings, filled in where a group does not give its own.
         self._adamw = {"lr": adamw_lr, "betas": adamw_betas, "eps": adamw_eps}
         self._adamw["weight_decay"] = adamw_weight_decay
-        groups = _split_groups(params, {id(p) for p in adamw_params})
-        super().__init__(groups, {**defaults, "betas": adamw_betas, "eps": adamw_eps})
+        groups = split_groups(params, adamw_params, who)
+        # The subclass's defaults win: Muon's ``eps`` is Newton-Schulz's (AdamW groups get
+        # ``adamw_eps`` from ``self._adamw``).
+        super().__init__(groups, {"betas": adamw_betas, "eps": adamw_eps, **defaults})
         self._layouts: list[MatrixLayout] | None = None
         self._layouts_for: list[int] = []
         self._check_groups()
@@ -105,6 +111,19 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 self.param_groups.pop()  # leave the optimizer as it was
                 raise
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Also loads a state dict whose groups lack ``use_muon`` (saved by
+        ``torch.optim.Muon``): its groups become this optimizer's matrix groups, in order."""
+        groups = state_dict.get("param_groups", [])
+        if groups and not all("use_muon" in g for g in groups):
+            use_muon = [bool(g["use_muon"]) for g in self.param_groups]
+            state_dict = from_unsplit_state_dict(
+                state_dict, super().state_dict(), use_muon, type(self).__name__
+            )
+        else:  # fsdp2's own, maybe from before torch's names: add what its groups lack
+            state_dict = upgrade_groups(state_dict, self.param_groups, type(self).__name__)
+        super().load_state_dict(state_dict)
+
     def matrix_params(self) -> list[tuple[torch.Tensor, dict[str, Any]]]:
         return [(p, g) for g in self.param_groups if g["use_muon"] for p in g["params"]]
 
@@ -115,8 +134,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
                     raise ValueError(
                         f"{type(self).__name__}: parameter {_name(group, gi, pi)} is {p.ndim}-D "
                         f"(shape {list(p.shape)}) in a group with use_muon=True; only 2-D and "
-                        "3-D (stacked) matrices get whole-matrix updates. Put it in a group with "
-                        "use_muon=False."
+                        "3-D (stacked) matrices get whole-matrix updates. Put it in adamw_params "
+                        "or in a group with use_muon=False."
                     )
         self.layouts()  # refuses unsupported shardings now, on every rank
 
@@ -192,33 +211,6 @@ class MatrixOptimizer(torch.optim.Optimizer):
 def _name(group: dict[str, Any], gi: int, pi: int) -> str:
     names = group.get("param_names")
     return names[pi] if names else f"param_groups[{gi}]['params'][{pi}]"
-
-
-def _split_groups(params: ParamsT, adamw_ids: set[int]) -> list[dict[str, Any]]:
-    """Each user group without ``use_muon`` becomes a matrix part (2-D/3-D params not listed in
-    ``adamw_params``, the group's own settings) and an AdamW part (the ``adamw_*`` settings)."""
-    given: list[Any] = list(params)
-    groups: list[dict[str, Any]] = (
-        given if given and isinstance(given[0], dict) else [{"params": given}]
-    )
-
-    def is_matrix(item: Any) -> bool:  # a tensor, or a (name, tensor) pair
-        t = item[1] if isinstance(item, tuple) else item
-        return t.ndim in (2, 3) and id(t) not in adamw_ids
-
-    out: list[dict[str, Any]] = []
-    for group in groups:
-        items = list(group["params"])
-        if "use_muon" in group:
-            out.append({**group, "params": items})
-            continue
-        matrices = [x for x in items if is_matrix(x)]
-        others = [x for x in items if not is_matrix(x)]
-        if matrices:
-            out.append({**group, "params": matrices, "use_muon": True})
-        if others:
-            out.append({"params": others, "use_muon": False})
-    return out
 
 
 def _adamw(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:

@@ -19,7 +19,14 @@ from fsdp2.planner.activations import activation_bytes
 from fsdp2.planner.estimate import collectives, transient
 from fsdp2.planner.groups import GroupFacts, collect_groups
 from fsdp2.planner.report import Comparison, Plan
-from fsdp2.planner.world import PlanError, build_on_meta, call_shard, fake_mesh, mesh_shape_of
+from fsdp2.planner.world import (
+    PlanError,
+    beside_live_group,
+    build_on_meta,
+    call_shard,
+    fake_mesh,
+    mesh_shape_of,
+)
 
 __all__ = ["Comparison", "Plan", "PlanError", "default_shard", "plan"]
 
@@ -51,7 +58,10 @@ def plan(
             f"fully_shard options {sorted(fully_shard_kwargs)} apply only without a shard "
             "function; pass them in your shard function's fully_shard calls instead"
         )
-    if isinstance(optimizer, str) and optimizer.lower() not in OPTIMIZER_STATES:
+    if isinstance(optimizer, str | int | float) and not isinstance(optimizer, str):
+        if not optimizer >= 0:
+            raise PlanError(f"optimizer state bytes per element must be >= 0, got {optimizer}")
+    elif not isinstance(optimizer, str) or optimizer.lower() not in OPTIMIZER_STATES:
         raise PlanError(
             f"optimizer must be one of {sorted(OPTIMIZER_STATES)} or bytes per parameter "
             f"element (a number), got {optimizer!r}"
@@ -94,11 +104,9 @@ def _plan_one(
     activations: Callable[[torch.dtype | None], int | None],
 ) -> Plan:
     shape = mesh_shape_of(world_size)
-    model, groups, notes = _shard_on_fake_mesh(build, shard, shape, fully_shard_kwargs)
-    unmanaged = [n for n, p in model.named_parameters() if not _is_sharded(p)]
-    if unmanaged:
-        notes.append(f"{len(unmanaged)} parameters not sharded (e.g. {unmanaged[0]}): not counted")
-    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    groups, notes, buffers = beside_live_group(
+        functools.partial(_shard_on_fake_mesh, build, shard, shape, fully_shard_kwargs)
+    )
     dtypes = {g.param_dtype for g in groups}
     compute = getattr(torch, dtypes.pop()) if len(dtypes) == 1 else None
     act = activations(compute if compute is not None and compute != torch.float32 else None)
@@ -124,7 +132,7 @@ def _plan_one(
         backward_transient_at=moves.backward_at,
         backward_start_bytes=moves.backward_start_bytes,
         activation_bytes=act,
-        collectives=collectives(groups),
+        collectives=collectives(groups, prefetch=device != "cpu"),
         groups=groups,
         notes=notes,
         _replan=functools.partial(
@@ -144,8 +152,9 @@ def _shard_on_fake_mesh(
     shard: Callable[..., Any] | None,
     shape: tuple[int, ...],
     fully_shard_kwargs: dict[str, Any],
-) -> tuple[nn.Module, list[GroupFacts], list[str]]:
-    """The model built on meta and sharded by ``shard`` (or the default) over a fake mesh."""
+) -> tuple[list[GroupFacts], list[str], int]:
+    """The model built on meta and sharded by ``shard`` (or the default) over a fake mesh: its
+    groups, notes, and buffer bytes (plain values, to come back from a forked process)."""
     notes = []
     model = build_on_meta(build)
     with fake_mesh(shape) as mesh:
@@ -165,7 +174,11 @@ def _shard_on_fake_mesh(
             "group was found). It must apply fsdp2.fully_shard (or fsdp2.auto_shard) to the "
             "model it is given, e.g. its blocks and then the model itself"
         )
-    return model, groups, notes
+    unmanaged = [n for n, p in model.named_parameters() if not _is_sharded(p)]
+    if unmanaged:
+        notes.append(f"{len(unmanaged)} parameters not sharded (e.g. {unmanaged[0]}): not counted")
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    return groups, notes, buffers
 
 
 def _optimizer_bytes(groups: list[GroupFacts], optimizer: str | float) -> int:

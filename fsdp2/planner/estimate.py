@@ -17,6 +17,10 @@ every trainable parameter getting a gradient:
   of backward: its unsharded gradients count as alive through all of backward.
 - Reduced shards accumulate through backward (counted with the held gradients), and the groups
   kept unsharded after forward stay so until the end of backward.
+- A group backward never reaches (frozen, with nothing trainable before it: a frozen first
+  block) is not gathered in backward on a CPU mesh; on an accelerator the group after it
+  prefetches it anyway (unless that is the root's), and the gather is freed unused at the end
+  of backward (fsdp2/state.py, [Note: prefetch order]).
 What it does not see: the optimizer step's temporaries (foreach AdamW allocates a few
 parameter-shard-sized buffers), caching-allocator fragmentation, extension (float8) packing.
 """
@@ -41,12 +45,25 @@ class Collective:
     world_size: int
 
 
-def collectives(groups: list[GroupFacts]) -> list[Collective]:
-    """The collectives of one forward + backward, in issue order."""
+def collectives(groups: list[GroupFacts], prefetch: bool) -> list[Collective]:
+    """The collectives of one forward + backward, in issue order. With ``prefetch``, a group's
+    backward gather is issued by the group after it, as that one's backward begins (before its
+    reduce-scatter); the root's pre-backward issues the last group's."""
     out = [_gather(g, backward=False) for g in groups if g.shard_world > 1]
-    for g in reversed(groups):
-        if g.shard_world > 1 and g.reshard_after_forward:
+    gathered = gathered_in_backward(groups, prefetch)
+    needs = [
+        g.shard_world > 1 and g.reshard_after_forward and gathered[i] for i, g in enumerate(groups)
+    ]
+    issued: set[int] = set()
+    for i in reversed(range(len(groups))):
+        g = groups[i]
+        if needs[i] and i not in issued:
             out.append(_gather(g, backward=True))
+        before = i - 1
+        if prefetch and g.backward_reached and not g.is_root and before >= 0 and needs[before]:
+            if not groups[before].is_root:
+                out.append(_gather(groups[before], backward=True))
+                issued.add(before)
         if g.num_trainable and g.shard_world > 1:
             out.append(
                 Collective(
@@ -56,6 +73,20 @@ def collectives(groups: list[GroupFacts]) -> list[Collective]:
         if g.num_trainable and g.replicate_world:  # HSDP all-reduces even over one replica
             nbytes = g.reduce_out_bytes
             out.append(Collective("all_reduce", g.label, nbytes, nbytes, g.replicate_world))
+    return out
+
+
+def gathered_in_backward(groups: list[GroupFacts], prefetch: bool) -> list[bool]:
+    """Per group (pre-order): whether backward gathers it (if it resharded after forward):
+    reached by backward, or prefetched by the next group in forward order, which (as in
+    ``FSDPState._prefetch_before``) the root's own groups never do; the root prefetches the
+    last group."""
+    out = []
+    for i, g in enumerate(groups):
+        nxt = groups[i + 1] if i + 1 < len(groups) else None
+        by_next = nxt is not None and nxt.backward_reached and not nxt.is_root and not g.is_root
+        by_root = nxt is None and not g.is_root
+        out.append(g.backward_reached or (prefetch and (by_next or by_root)))
     return out
 
 
@@ -96,7 +127,10 @@ def transient(groups: list[GroupFacts], prefetch: bool) -> Transient:
     # A kept group (the root) may get gradients early (the head's) and is reduced last: count
     # its unsharded gradients as alive through all of backward.
     early = sum(g.unsharded_grad_bytes for g in groups if not g.reshard_after_forward)
+    gathered = list(reversed(gathered_in_backward(groups, prefetch)))
     for i, g in enumerate(order):
+        if not gathered[i]:
+            continue  # backward never runs it and nothing prefetches it
         own = g.unsharded_grad_bytes if g.reshard_after_forward else 0
         again = g.unsharded_bytes if g.reshard_after_forward else 0
         nxt = order[i + 1] if i + 1 < len(order) else None

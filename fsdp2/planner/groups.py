@@ -3,6 +3,7 @@ with the byte counts fsdp2's buffers will have on rank 0 (the rank with the most
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch.nn as nn
@@ -43,6 +44,10 @@ class GroupFacts:
     reduce_out_bytes: int
     trainable_local_numel: int  # real elements of trainable parameters on this rank
     trainable_local_bytes: int  # the same in the parameters' dtypes (sizes optimizer state)
+    # Whether backward reaches the group's modules: it has trainable parameters, or a module
+    # before it (pre-order, taken as forward's order) has some, so gradients flow through it.
+    # A frozen first block is not reached: no pre-backward, no gather in backward.
+    backward_reached: bool = True
 
 
 def collect_groups(model: nn.Module) -> list[GroupFacts]:
@@ -53,14 +58,31 @@ def collect_groups(model: nn.Module) -> list[GroupFacts]:
         state = state_of(module)
         if state is not None and state not in states:
             states.append(state)
+    reached = _reached_in_backward(model, states)
     facts = []
     for i, state in enumerate(states):
         label = ",".join(names.get(id(m), "") for m in state.modules)
         requested = state.requested_reshard_after_forward
         reshard = (i != 0) if requested is None else requested  # the root keeps its parameters
         for group in state.groups:
-            facts.append(_facts(group, label, i == 0, reshard))
+            fact = _facts(group, label, i == 0, reshard)
+            facts.append(dataclasses.replace(fact, backward_reached=i == 0 or reached[i]))
     return facts
+
+
+def _reached_in_backward(model: nn.Module, states: list[FSDPState]) -> list[bool]:
+    """Per state: a trainable parameter in one of its modules or in a module before its first
+    one in pre-order (the forward order the planner assumes; the model's inputs are taken not
+    to need gradients)."""
+    first = {id(s.modules[0]): i for i, s in enumerate(states) if s.modules}
+    reached = [False] * len(states)
+    seen_trainable = False
+    for module in model.modules():
+        i = first.get(id(module))
+        if i is not None:
+            reached[i] = seen_trainable or any(g.trainable for g in states[i].groups)
+        seen_trainable |= any(p.requires_grad for p in module.parameters(recurse=False))
+    return reached
 
 
 def _facts(group: FSDPParamGroup, label: str, is_root: bool, reshard: bool) -> GroupFacts:

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
+import pickle
+import sys
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -15,7 +19,14 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["PlanError", "build_on_meta", "call_shard", "fake_mesh", "mesh_shape_of"]
+__all__ = [
+    "PlanError",
+    "beside_live_group",
+    "build_on_meta",
+    "call_shard",
+    "fake_mesh",
+    "mesh_shape_of",
+]
 
 # Real (non-meta) bytes a build function may allocate, e.g. a small table built with an explicit
 # device. Beyond this it is building the model for real, which is what planning must avoid.
@@ -39,14 +50,11 @@ def mesh_shape_of(world_size: int | Sequence[int]) -> tuple[int, ...]:
 
 @contextmanager
 def fake_mesh(shape: tuple[int, ...]) -> Iterator[DeviceMesh]:
-    """A CPU mesh of ``shape`` over a fake process group (rank 0 of ``prod(shape)``); the default
-    group is destroyed on exit. Refused while a real group exists: there is only one default."""
+    """A CPU mesh of ``shape`` over a fake process group (rank 0 of ``prod(shape)``), made the
+    default group for the duration (fsdp2 and DTensor read ranks off the default group); it is
+    destroyed on exit. Needs a process without a default group: see :func:`beside_live_group`."""
     if dist.is_initialized():
-        raise PlanError(
-            "fsdp2.plan shards over a fake process group of its own, but a process group is "
-            "already initialized in this process. Plan before init_process_group(), or from "
-            "the command line: python -m fsdp2.plan ..."
-        )
+        raise AssertionError("fake_mesh needs a process without a default process group")
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.prod(shape))
@@ -54,7 +62,69 @@ def fake_mesh(shape: tuple[int, ...]) -> Iterator[DeviceMesh]:
         names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
         yield init_device_mesh("cpu", shape, mesh_dim_names=names)
     finally:
-        dist.destroy_process_group()
+        if not _forked:
+            # In a forked copy this would also unregister the job's copied groups from c10d's
+            # registry, and destroying gloo's copies (their threads stayed in the parent)
+            # aborts; the copy ends with os._exit instead.
+            dist.destroy_process_group()
+
+
+def beside_live_group(fn: Callable[[], Any]) -> Any:
+    """``fn()`` (which shards over :func:`fake_mesh`) here, or, while this process has a default
+    process group (a running job asking what a larger one would take), in a forked copy of the
+    process: the fake group lives and dies there, and nothing of the job's (its groups, their
+    names in c10d's registry, DTensor's caches keyed by meshes equal to the fake ones) is
+    touched. ``fn``'s result or exception comes back pickled."""
+    if not dist.is_initialized():
+        return fn()
+    if not hasattr(os, "fork"):
+        raise PlanError(
+            "fsdp2.plan shards over a fake process group of its own; beside this process's "
+            "initialized group it needs os.fork, which this platform lacks. Plan before "
+            "init_process_group(), or from the command line: python -m fsdp2.plan ..."
+        )
+    sys.stdout.flush()
+    sys.stderr.flush()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the copy: forget the job's groups (copies too), plan, report, leave at once
+        os.close(read)
+        _run_forked(fn, write)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        data = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    if not data:
+        raise RuntimeError(f"the planner's forked process ended without a result ({status=})")
+    ok, value, where = pickle.loads(data)
+    if ok:
+        return value
+    value.add_note(f"raised in the planner's forked process:\n{where}")
+    raise value
+
+
+_forked = False  # True in the planner's forked copy of a process with a live group
+
+
+def _run_forked(fn: Callable[[], Any], write: int) -> NoReturn:
+    from torch.distributed import distributed_c10d
+
+    global _forked
+    _forked = True
+    try:
+        distributed_c10d._world = distributed_c10d._World()
+        result: tuple[bool, Any, str] = (True, fn(), "")
+    except BaseException as e:  # every outcome goes back to the parent
+        result = (False, e, traceback.format_exc())
+    try:
+        data = pickle.dumps(result)
+    except Exception as e:  # an unpicklable result or exception
+        data = pickle.dumps((False, RuntimeError(f"{type(e).__name__}: {e}"), result[2]))
+    with os.fdopen(write, "wb") as pipe:
+        pipe.write(data)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no atexit or destructors: they would act on the job's copied groups
 
 
 class _RealMemoryGuard(TorchFunctionMode):
