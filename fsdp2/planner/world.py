@@ -99,7 +99,8 @@ def beside_live_group(fn: Callable[[], Any]) -> Any:
     ok, value, where = pickle.loads(data)
     if ok:
         return value
-    value.add_note(f"raised in the planner's forked process:\n{where}")
+    if hasattr(value, "add_note"):  # Python 3.11+
+        value.add_note(f"raised in the planner's forked process:\n{where}")
     raise value
 
 
