@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
 from fsdp2 import waiting as waits
-from fsdp2.waiting import timeout_s
+from fsdp2.waiting import group_name, timeout_s
 
 __all__ = [
     "CollectiveFailedError",
@@ -97,7 +97,7 @@ class Event:
         self.dtype = tensor.dtype
         self.group = group
         self.rank = rank  # the issuing rank's state
-        name = _name(group)
+        name = group_name(group)
         self.seq = rank.counts.get(name, 0)  # this rank's collectives on ``group`` before this one
         rank.counts[name] = self.seq + 1
         self.time = time.time()
@@ -108,7 +108,7 @@ class Event:
             "label": self.label,
             "numel": self.numel,
             "dtype": str(self.dtype).removeprefix("torch."),
-            "group": _name(self.group),
+            "group": group_name(self.group),
             "seq": self.seq,
             "time": self.time,
         }
@@ -164,13 +164,6 @@ _by_world: weakref.WeakKeyDictionary[dist.ProcessGroup, _Rank] = weakref.WeakKey
 _states: weakref.WeakSet[_Rank] = weakref.WeakSet()
 _unpublished = _Rank(-1, None)  # a group outside any default group's world: nowhere to publish
 _thread: threading.Thread | None = None
-
-
-def _name(group: dist.ProcessGroup) -> str:
-    try:
-        return group.group_name
-    except Exception:  # a destroyed group
-        return "?"
 
 
 def _rank_of(group: dist.ProcessGroup) -> _Rank:

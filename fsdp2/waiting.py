@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["is_timed", "timed_wait", "wait"]
+__all__ = ["group_name", "is_timed", "timed_wait", "timeout_s", "wait"]
 
 logger = logging.getLogger("fsdp2")
 
@@ -83,7 +83,7 @@ def _first_wait(work: dist.Work, group: dist.ProcessGroup) -> bool:
             "fsdp2: the works of process group %s (backend %s) reject a finite wait(timeout) "
             "(%s); fsdp2 waits on them without FSDP2_COLLECTIVE_TIMEOUT's deadline and logs the "
             "hang report when it passes",
-            _describe(group),
+            group_name(group),
             _backend_name(group),
             refused,
         )
@@ -101,7 +101,8 @@ def _is_gloo(group: dist.ProcessGroup) -> bool:
     return gloo is not None and isinstance(backend, gloo)
 
 
-def _describe(group: dist.ProcessGroup) -> str:
+def group_name(group: dist.ProcessGroup) -> str:
+    """The group's name, or "?" for a destroyed group (asked per collective)."""
     try:
         return group.group_name
     except Exception:  # a destroyed group
