@@ -140,11 +140,12 @@ def sharded_by(model: Any) -> str:
 
     import fsdp2
 
+    # fsdp2's module classes also list torch's FSDPModule as a base (torch's pipeline stage
+    # tests it), so a module is torch's only if it is not fsdp2's.
     found = {
-        impl
+        "fsdp2" if isinstance(module, fsdp2.FSDPModule) else "torch"
         for module in model.modules()
-        for impl, cls in (("fsdp2", fsdp2.FSDPModule), ("torch", torch_impl.FSDPModule))
-        if isinstance(module, cls)
+        if isinstance(module, (fsdp2.FSDPModule, torch_impl.FSDPModule))
     }
     return ",".join(sorted(found)) or "nothing"
 
