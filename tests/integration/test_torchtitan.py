@@ -21,6 +21,7 @@ import re
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +63,19 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
 _runs: dict[tuple[object, ...], Run] = {}
 
 
+def _launch(cmd: list[str], env: dict[str, str], cwd: Path) -> str:
+    """One torchrun launch: its stdout and stderr, whatever its exit code."""
+    try:
+        proc = subprocess.run(
+            cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
+        )
+        return proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        text = [b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+                for b in (e.stdout, e.stderr)]  # fmt: skip
+        return f"{text[0]}{text[1]}\n(timed out after {RUN_TIMEOUT_S} s)"
+
+
 def titan_run(impl: str, world: int, assets: Path, dump: Path, **options: object) -> Run:
     """Train with torchtitan under torchrun, judged by its logged output: gloo on torch 2.13
     sometimes aborts a rank after the script finished, spoiling the exit code."""
@@ -80,14 +94,18 @@ def titan_run(impl: str, world: int, assets: Path, dump: Path, **options: object
         *(f"{k}={v}" for k, v in options.items()),
     ]  # fmt: skip
     start = time.perf_counter()
-    try:
-        proc = subprocess.run(
-            cmd, env=env, cwd=dump.parent, capture_output=True, text=True,
-            timeout=RUN_TIMEOUT_S,
-        )  # fmt: skip
-        out = proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as e:
-        out = f"{e.stdout or ''}{e.stderr or ''}\n(timed out after {RUN_TIMEOUT_S} s)"
+    out = _launch(cmd, env, dump.parent)
+    if "\nDONE" not in out:
+        # Rarely a run dies before its end (once in about 25 launches of this file here; its
+        # output was lost, so the cause is open): run it once more, as tests/harness.py reruns
+        # a crashed rank, and keep the first run's end in the session's warnings summary. A
+        # run that resumed from the first one's checkpoints misses steps and still fails.
+        warnings.warn(
+            f"torchtitan run {' '.join(cmd[4:])} did not finish; ran it again. Its end:\n"
+            f"{out[-3000:]}",
+            stacklevel=1,
+        )
+        out = _launch(cmd, env, dump.parent)
     seconds = time.perf_counter() - start
     if "\nDONE" not in out:
         pytest.fail(f"torchtitan run {' '.join(cmd[4:])} did not finish:\n{out[-6000:]}")
