@@ -25,8 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor import DTensor, Replicate, Shard, _dtensor_spec
 from torch.utils import dlpack
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
@@ -72,7 +71,9 @@ class FSDPParam:
         # An incoming DTensor (tensor parallel) is sharded again through its local tensor: the
         # layout below works on that local shape, and the unsharded parameter is rebuilt as a
         # DTensor with this spec, which is what the tensor-parallel modules compute with.
-        self.outer_spec: DTensorSpec | None = param._spec if isinstance(param, DTensor) else None
+        self.outer_spec: _dtensor_spec.DTensorSpec | None = (
+            param._spec if isinstance(param, DTensor) else None
+        )
         self.shape = param._local_tensor.shape if isinstance(param, DTensor) else param.shape
         self.global_shape = param.shape
         # Shards are stored contiguously whatever the parameter's layout (channels_last included),
@@ -216,8 +217,8 @@ class FSDPParam:
     def _new_sharded_param(self, local: torch.Tensor, requires_grad: bool) -> nn.Parameter:
         """``local`` wrapped as the sharded DTensor parameter, as it is: ``DTensor.from_local``
         would wrap a ``view_as`` of it, which some subclasses reject (torchao <= 0.13's NF4)."""
-        meta = TensorMeta(self.global_shape, self.stride, local.dtype)
-        spec = DTensorSpec(self.mesh, tuple(self.placements), tensor_meta=meta)
+        meta = _dtensor_spec.TensorMeta(self.global_shape, self.stride, local.dtype)
+        spec = _dtensor_spec.DTensorSpec(self.mesh, tuple(self.placements), tensor_meta=meta)
         return parameter(DTensor.__new__(DTensor, local, spec, requires_grad=False), requires_grad)
 
     def _wrapper_shard(self, device: torch.device, full: torch.Tensor | None) -> torch.Tensor:
