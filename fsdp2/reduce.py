@@ -252,8 +252,14 @@ class GradientReduction:
         )
 
     def has_unreduced_grads(self) -> bool:
-        return any(
-            p.unsharded_param.grad is not None or p.unreduced is not None for p in self.trainable
+        return any(map(self._has_grad, self.trainable))
+
+    def reduces_at_end(self) -> bool:
+        """Whether the end of backward (or pipelining's ``post_backward``) still has to reduce
+        this group: gradients its own hooks did not reduce, or the zeros asked for by
+        ``set_reduce_scatter_unused_params`` where no backward reached it."""
+        return self.has_unreduced_grads() or (
+            self.reduce_scatter_unused and not self.reduced_in_backward and bool(self.trainable)
         )
 
     def drop_unreduced_grads(self) -> None:
@@ -267,23 +273,24 @@ class GradientReduction:
         self._task = -1
         self.reduced_in_backward = True
         replicated = self.info.replicate_group is not None
+        has = [self._has_grad(p) for p in self.trainable]  # on this rank
+        used = None  # per parameter, when the chunk carries flags
         if self.world > 1 or replicated:  # see [Note: gradients on some ranks only]
             params = self.trainable
             deferring = replicated and (
                 not self.requires_all_reduce or self._replica_partial is not None
             )
-            if not (self.reduce_scatter_unused or deferring or any(map(self._has_grad, params))):
+            if not (self.reduce_scatter_unused or deferring or any(has)):
                 # No gradient at all on this rank: a backward for inputs only (autograd.grad,
                 # pipelining's shape inference), which every rank runs alike. torch reduces
                 # nothing there either.
                 return None
+            if not self.reduce_scatter_unused:
+                used = has
         else:
-            params = [p for p in self.trainable if self._has_grad(p)]
+            params = [p for p, h in zip(self.trainable, has, strict=True) if h]
         if not params:
             return None
-        used = None
-        if (self.world > 1 or replicated) and not self.reduce_scatter_unused:
-            used = [self._has_grad(p) for p in params]
         grads = [self._take_grad(p) for p in params]
         use_sum = self.divide_factor is not None or self.force_sum_reduction
         if self.world == 1 and self.info.replicate_group is None and not use_sum:

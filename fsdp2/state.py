@@ -150,9 +150,7 @@ class IterContext:
                 # where only one module ran: torchtitan's chunked loss on [norm, lm_head]) has not
                 # stashed yet; left in .grad, the next micro-step would sum in param_dtype.
                 group.stash_grads()
-            elif group.has_unreduced_grads() or (
-                group.reduce_scatter_unused and not group.reduced_in_backward and group.trainable
-            ):
+            elif group.reduces_at_end():
                 if group.reshard_after_backward and not keep_gathered:
                     group.reshard()  # first, as in _finish_if_done: free before the collective
                 self.add_reduce(group.reduce_grads(), max_in_flight=1_000_000)

@@ -109,9 +109,7 @@ class _GroupView(_Unsupported):
             group.reshard()
         if not group.reduce_grads_enabled:
             group.stash_grads()
-        elif group.has_unreduced_grads() or (
-            group.reduce_scatter_unused and not group.reduced_in_backward and group.trainable
-        ):
+        elif group.reduces_at_end():
             _context(self._fsdp2_state).add_reduce(group.reduce_grads(), group.max_in_flight)
 
 
