@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.integration.torchrun_pair import collect
+
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -81,27 +83,23 @@ def launch(impl: str, args: list[str], out: Path) -> subprocess.Popen[str]:
     path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     return subprocess.Popen(
-        cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
 
 
 def finish(impl: str, proc: subprocess.Popen[str], out: Path) -> Run:
-    try:
-        log, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        log, _ = proc.communicate()
-        pytest.fail(f"{impl} run timed out after {TIMEOUT_S}s\n{log[-6000:]}")
+    # Only stdout is parsed: another rank's stderr can land inside a printed line.
+    stdout, log = collect(impl, proc, TIMEOUT_S)
     run = Run(impl, out, log, tied="--tied" in proc.args)  # type: ignore[operator]
-    for m in re.finditer(r"^LOSS step=(\d+) value=(\S+)(?: grad_norm=(\S+))?$", log, re.M):
+    for m in re.finditer(r"^LOSS step=(\d+) value=(\S+)(?: grad_norm=(\S+))?$", stdout, re.M):
         run.losses[int(m[1])] = float(m[2])
         if m[3] is not None:
             run.grad_norms[int(m[1])] = float(m[3])
-    if m := re.search(r"^RESUMED step=\d+ value=(\S+)$", log, re.M):
+    if m := re.search(r"^RESUMED step=\d+ value=(\S+)$", stdout, re.M):
         run.resumed = float(m[1])
-    if m := re.search(r"^MODEL (\S+)", log, re.M):
+    if m := re.search(r"^MODEL (\S+)", stdout, re.M):
         run.model_class = m[1]
-    assert re.search(r"^DONE$", log, re.M), f"the {impl} run did not finish\n{run.tail()}"
+    assert re.search(r"^DONE$", stdout, re.M), f"the {impl} run did not finish\n{run.tail()}"
     return run
 
 

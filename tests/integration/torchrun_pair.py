@@ -61,27 +61,35 @@ def _launch(script: Path, args: list[str]) -> subprocess.Popen[str]:
         [*cmd, str(script), *args],
         cwd=REPO_ROOT,
         env=env,
+        # Separate pipes: a rank's warning on stderr can land inside a line that rank 0 prints
+        # (seen in CI: "SHARD NF4Tensor[rank1]:W..."), so only stdout is parsed.
         stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+        stderr=subprocess.PIPE,
         text=True,
     )
 
 
-def _finish(impl: str, proc: subprocess.Popen[str], timeout_s: float, keys: tuple[str, ...]) -> Run:
+def collect(impl: str, proc: subprocess.Popen[str], timeout_s: float) -> tuple[str, str]:
+    """Wait for a launch: (its stdout, to parse; stdout and stderr, to show on failure)."""
     try:
-        log, _ = proc.communicate(timeout=timeout_s)
+        out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         proc.kill()
-        log, _ = proc.communicate()
-        pytest.fail(f"{impl} run timed out after {timeout_s}s\n{log[-6000:]}")
+        out, err = proc.communicate()
+        pytest.fail(f"{impl} run timed out after {timeout_s}s\n{(out + err)[-6000:]}")
+    return out, f"{out}\n--- stderr ---\n{err}"
+
+
+def _finish(impl: str, proc: subprocess.Popen[str], timeout_s: float, keys: tuple[str, ...]) -> Run:
+    out, log = collect(impl, proc, timeout_s)
     run = Run(impl, log)
-    for m in re.finditer(r"^LOSS step=(\d+) value=(\S+) grad_norm=(\S+)$", log, re.M):
+    for m in re.finditer(r"^LOSS step=(\d+) value=(\S+) grad_norm=(\S+)$", out, re.M):
         run.losses[int(m[1])] = float(m[2])
         run.grad_norms[int(m[1])] = float(m[3])
     for key in keys:
-        if m := re.search(rf"^{key} (.+)$", log, re.M):
+        if m := re.search(rf"^{key} (.+)$", out, re.M):
             run.keys[key] = m[1]
-    assert re.search(r"^DONE$", log, re.M), f"the {impl} run did not finish\n{run.tail()}"
+    assert re.search(r"^DONE$", out, re.M), f"the {impl} run did not finish\n{run.tail()}"
     return run
 
 
