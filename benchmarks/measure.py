@@ -85,7 +85,7 @@ class CommCounts:
 
 
 def _fsdp2_reduce_scatter_on_gloo() -> bool:
-    collectives = sys.modules.get("fsdp2.collectives")
+    collectives = sys.modules.get("fsdp2.engine.collectives")
     return bool(getattr(collectives, "all_reduce_for_reduce_scatter", False))
 
 

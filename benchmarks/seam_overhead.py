@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fsdp2 from this checkout
 import fsdp2
-from fsdp2 import hang
+from fsdp2.debug import hang
 from workloads import DEFAULT_SIZES, blocks_of, build_model, make_batch
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)

@@ -8,19 +8,19 @@ from fsdp2.api import (
     replicate,
     share_comm_ctx,
 )
-from fsdp2.auto import AutoShardResult, auto_shard
-from fsdp2.checks import CollectiveMismatchError, set_collective_checks
-from fsdp2.full_params import summon_full_params
-from fsdp2.grad_scaler import ShardedGradScaler
-from fsdp2.hang import CollectiveFailedError, CollectiveTimeoutError
-from fsdp2.planner import Plan, plan
-from fsdp2.policies import (
+from fsdp2.debug.checks import CollectiveMismatchError, set_collective_checks
+from fsdp2.debug.hang import CollectiveFailedError, CollectiveTimeoutError
+from fsdp2.engine.policies import (
     CPUOffloadPolicy,
     DataParallelMeshDims,
     MixedPrecisionPolicy,
     OffloadPolicy,
 )
-from fsdp2.swap import patch_torch_fsdp
+from fsdp2.tools.auto import AutoShardResult, auto_shard
+from fsdp2.tools.full_params import summon_full_params
+from fsdp2.tools.grad_scaler import ShardedGradScaler
+from fsdp2.tools.planner import Plan, plan
+from fsdp2.tools.swap import patch_torch_fsdp
 
 __all__ = [
     "AutoShardResult",

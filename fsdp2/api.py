@@ -13,20 +13,20 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp._fully_shard._fully_shard import FSDPModule as TorchFSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp2.agreement import check_fully_shard
-from fsdp2.mesh import MeshInfo, default_mesh, device_of, mesh_info
-from fsdp2.module import STATE_ATTR, FSDPModule, ReplicateModule, UnshardHandle, state_of
-from fsdp2.param import FSDPParam
-from fsdp2.param_group import FSDPParamGroup
-from fsdp2.policies import (
+from fsdp2.engine.agreement import check_fully_shard
+from fsdp2.engine.mesh import MeshInfo, default_mesh, device_of, mesh_info
+from fsdp2.engine.module import STATE_ATTR, FSDPModule, ReplicateModule, UnshardHandle, state_of
+from fsdp2.engine.param import FSDPParam
+from fsdp2.engine.param_group import FSDPParamGroup
+from fsdp2.engine.policies import (
     CPUOffloadPolicy,
     DataParallelMeshDims,
     MixedPrecisionPolicy,
     OffloadPolicy,
 )
-from fsdp2.state import FSDPState
-from fsdp2.state_dict import register_state_dict_hooks
-from fsdp2.torch_state import register_torch_state, torch_state
+from fsdp2.engine.state import FSDPState
+from fsdp2.engine.state_dict import register_state_dict_hooks
+from fsdp2.engine.torch_state import register_torch_state, torch_state
 
 __all__ = [
     "FSDPModule",

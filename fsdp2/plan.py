@@ -10,8 +10,8 @@ import sys
 import types
 from typing import Any
 
-from fsdp2.planner import plan as _plan
-from fsdp2.planner.cli import main
+from fsdp2.tools.planner import plan as _plan
+from fsdp2.tools.planner.cli import main
 
 
 class _CallablePlanModule(types.ModuleType):

@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 
-from fsdp2.collectives import CollectiveRecord, record_collectives
+from fsdp2.engine.collectives import CollectiveRecord, record_collectives
 from tests.models import Batch
 from tests.parity import adamw
 from tests.tolerance import FP32_ATOL, FP32_RTOL, PARAM_ATOL

@@ -209,7 +209,7 @@ def train(checks: bool, steps: int = 3) -> dict[str, Any]:
     """A normal run: per-step losses, the collectives fsdp2 recorded and the ``torch.distributed``
     calls it made (counted under the seam, so an unrecorded collective would show)."""
     import fsdp2
-    from fsdp2 import collectives
+    from fsdp2.engine import collectives
 
     calls: Counter[str] = Counter()
 

@@ -24,7 +24,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fsdp2 import collectives
+from fsdp2.engine import collectives
 from tests.harness import fsdp_api
 from tests.models import MODELS, Batch
 from tests.tolerance import FP32_ATOL, FP32_RTOL
@@ -175,7 +175,7 @@ def shard_mlp(model: nn.Module, impl: str = "fsdp2", **kwargs: Any) -> None:
 
 
 def count(records: Iterable[Any], kind: str) -> Counter[str]:
-    """Collectives of ``kind`` per group label, from `fsdp2.collectives.record_collectives`."""
+    """Collectives of ``kind`` per group label, from `fsdp2.engine.collectives.record_collectives`."""
     return Counter(r.label for r in records if r.kind == kind)
 
 

@@ -35,7 +35,7 @@ def _is_unsharded(model: Any) -> list[bool]:
 
 
 def _no_sync() -> dict[str, Any]:
-    from fsdp2.collectives import record_collectives
+    from fsdp2.engine.collectives import record_collectives
 
     t = Lockstep("mlp")
     shard_mlp(t.model)
@@ -65,7 +65,7 @@ def test_no_sync_accumulates_locally_then_reduces_once(world_size: int, fsdp2_on
 
 
 def _is_last_backward() -> list[Counter[str]]:
-    from fsdp2.collectives import record_collectives
+    from fsdp2.engine.collectives import record_collectives
 
     t = Lockstep("mlp")
     shard_mlp(t.model)

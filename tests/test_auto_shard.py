@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fsdp2
-from fsdp2.auto import plan_auto_shard
+from fsdp2.tools.auto import plan_auto_shard
 from tests.auto_shard_models import ALL_CASES, CASES, Case, block_calls, build_gpt, token_batch
 from tests.dp_parity import count, full, train_side_by_side
 from tests.errors import raised

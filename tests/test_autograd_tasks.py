@@ -121,7 +121,7 @@ BACKWARD_ORDER = [
 
 
 def _checkpointed(where: str, reentrant: bool) -> list[list[tuple[str, str]]]:
-    from fsdp2.collectives import record_collectives
+    from fsdp2.engine.collectives import record_collectives
 
     t = _sharded(where=where, reentrant=reentrant)
     orders = []

@@ -4,7 +4,7 @@ each group resharded after forward, one reduce-scatter per group with gradients.
 The expectations are computed from the model without FSDP: which groups exist (`plan_groups`),
 which of their modules ran forward this step and which parameters got gradients (from a plain
 reference run with hooks). They are checked twice: through fsdp2's own seam
-(`fsdp2.collectives.record_collectives`, kinds, labels and bytes), and through torch's
+(`fsdp2.engine.collectives.record_collectives`, kinds, labels and bytes), and through torch's
 `CommDebugMode`, which counts c10d ops for either implementation, so the expectations themselves
 are validated against torch's FSDP2.
 """
@@ -96,7 +96,7 @@ def _run_step(
 def _recording(recorder: str, phases: dict[str, Any], phase: str) -> Iterator[None]:
     """Records one phase's collectives into ``phases[phase]``: fsdp2's seam or CommDebugMode."""
     if recorder == "seam":
-        from fsdp2.collectives import record_collectives
+        from fsdp2.engine.collectives import record_collectives
 
         with record_collectives() as records:
             yield
@@ -138,7 +138,7 @@ def expected_records(
         group = by_label[label]
         if any(group["with_grad"]):
             # Every trainable parameter, used or not, and one flag each (whether this rank had
-            # its gradient): [Note: gradients on some ranks only] in fsdp2/reduce.py.
+            # its gradient): [Note: gradients on some ranks only] in fsdp2/engine/reduce.py.
             trained = [s for s, t in zip(group["shapes"], group["trainable"], strict=True) if t]
             rs = shard_nbytes(trained) + len(trained) * FP32_BYTES
             backward.append(("reduce_scatter", label, rs * world_size, rs))
@@ -230,7 +230,7 @@ def _comm_mode_kinds(
 
 def _reduce_scatter_as_all_reduce(kinds: dict[str, Counter[str]]) -> dict[str, Counter[str]]:
     """fsdp2 runs a reduce-scatter on gloo as an in-place all-reduce of its own input, which is
-    what gloo's reduce-scatter does on a clone (fsdp2/collectives.py ``reduce_scatter``)."""
+    what gloo's reduce-scatter does on a clone (fsdp2/engine/collectives.py ``reduce_scatter``)."""
     moved = {}
     for phase, counts in kinds.items():
         counts = Counter(counts)
@@ -258,7 +258,7 @@ def _gloo_reduce_scatter_cases() -> dict[str, bool]:
     """fsdp2's reduce-scatter on gloo (an in-place all-reduce of its own input) against gloo's
     own ``reduce_scatter_single``, on the same inputs: bitwise, for odd sizes, fp32/bf16 and
     SUM/AVG; and its work reports completion before ``wait()`` (gloo's own never does)."""
-    from fsdp2 import collectives
+    from fsdp2.engine import collectives
 
     group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(rank)

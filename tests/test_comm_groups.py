@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp2.collectives import (
+from fsdp2.engine.collectives import (
     GroupAllocAllGather,
     GroupAllocReduceScatter,
     LowPrecisionReduceScatter,

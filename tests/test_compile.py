@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
 import fsdp2
-from fsdp2.traced import set_traced
+from fsdp2.engine.traced import set_traced
 from tests.harness import init_local_process_group, run_on_ranks
 from tests.models import MODELS, build_model, make_batch
 from tests.tolerance import assert_fp32_close

@@ -3,7 +3,7 @@ comms, grouping, ``reshard_after_forward=k``, gradient clipping and tied-weight 
 
 Every training test steps a sharded model and its unsharded reference side by side on the same
 global batch (see `tests/lockstep.py`) and compares losses, gradients and final parameters at
-fp32 tolerance. Collectives are counted through `fsdp2.collectives.record_collectives`, or with
+fp32 tolerance. Collectives are counted through `fsdp2.engine.collectives.record_collectives`, or with
 `tests.lockstep.CollectiveCounter` where the same test also runs torch's own ``fully_shard``.
 User-facing error messages are pinned with expecttest (regenerate with ``EXPECTTEST_ACCEPT=1``).
 """
@@ -62,7 +62,7 @@ def _backward_counts(t: Lockstep, kind: str) -> list[int]:
 def _reshard_after_forward_int(k: int, shard_dim: int | None = None) -> list[dict[str, Any]]:
     from torch.distributed.tensor import Shard
 
-    from fsdp2.collectives import record_collectives
+    from fsdp2.engine.collectives import record_collectives
 
     t = Lockstep("mlp")
     kwargs: dict[str, Any] = {"reshard_after_forward": k}
@@ -126,7 +126,7 @@ def test_reshard_after_forward_int_with_shard_dim1(fsdp2_only: None) -> None:
 
 def _explicit_unshard() -> list[dict[str, Any]]:
     from fsdp2 import UnshardHandle
-    from fsdp2.collectives import record_collectives
+    from fsdp2.engine.collectives import record_collectives
 
     t = Lockstep("mlp")
     shard_mlp(t.model)
@@ -185,7 +185,7 @@ def test_unshard_async_handle_and_explicit_reshard(fsdp2_only: None) -> None:
 
 
 def _explicit_prefetch() -> list[dict[str, list[str]]]:
-    from fsdp2.collectives import record_collectives
+    from fsdp2.engine.collectives import record_collectives
 
     t = Lockstep("mlp")
     shard_mlp(t.model)
@@ -468,7 +468,7 @@ def test_reduce_scatter_unused_params_moe(world_size: int, impl: str, fsdp2_only
 
 
 def _custom_comms() -> dict[str, int]:
-    from fsdp2.collectives import AllGather, ReduceScatter, record_collectives
+    from fsdp2.engine.collectives import AllGather, ReduceScatter, record_collectives
 
     counts: Counter[str] = Counter()
 

@@ -3,7 +3,7 @@
 Each case makes the bad input happen on rank 1 only (a different shape, dtype, frozen weight,
 parameter order, mixed precision policy, a parameter on another device, one left on meta) and runs ``fully_shard`` and one training
 step on both ranks; every rank must come back with the error. Before fsdp2 exchanged these facts
-(see [Note: errors on every rank] in fsdp2/agreement.py), rank 1 raised alone, or nobody raised
+(see [Note: errors on every rank] in fsdp2/engine/agreement.py), rank 1 raised alone, or nobody raised
 and the first collective hung or mixed up bytes: the short timeout turns such a hang into a
 failure (and the harness then discards the pool, whose ranks may be stuck in a collective).
 """
@@ -167,7 +167,7 @@ def _meta_on_rank1_only() -> dict[str, object]:
     ``fully_shard``; the others ``to_empty`` and receive rank 0's values. Legitimate: no error,
     and one exchange at lazy init (none per step)."""
     from fsdp2 import fully_shard
-    from fsdp2.collectives import record_collectives
+    from fsdp2.engine.collectives import record_collectives
 
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -189,7 +189,7 @@ def _meta_on_rank1_only() -> dict[str, object]:
 def _plain_steps() -> list[dict[str, int]]:
     """A model that never saw meta: no exchange in any step, the first included."""
     from fsdp2 import fully_shard
-    from fsdp2.collectives import record_collectives
+    from fsdp2.engine.collectives import record_collectives
 
     model = _model(dist.get_rank(), "same")
     fully_shard(model[0])

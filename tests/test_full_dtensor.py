@@ -111,7 +111,7 @@ def _train(
     api.fully_shard(model.fc1, **kwargs)
     api.fully_shard(model, **kwargs)
     if traced:  # the reduce-scatter as autograd's, through DTensor.from_local's backward
-        from fsdp2.traced import set_traced
+        from fsdp2.engine.traced import set_traced
 
         set_traced(model)
     if compiled:

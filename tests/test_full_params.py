@@ -73,7 +73,7 @@ def _train(model: nn.Module, num_steps: int, sharded: bool) -> list[float]:
 
 def _read_and_evaluate() -> None:
     from fsdp2 import summon_full_params
-    from fsdp2.collectives import record_collectives
+    from fsdp2.engine.collectives import record_collectives
 
     model, plain = _sharded(), build_model("gpt", MODEL_SEED)
     held = [id(p) for p in model.parameters()]

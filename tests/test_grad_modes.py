@@ -69,7 +69,7 @@ def _mode(name: str) -> contextlib.AbstractContextManager[Any]:
 
 @contextlib.contextmanager
 def _backward_order(order: list[tuple[str, str]]) -> Iterator[None]:
-    from fsdp2.collectives import record_collectives
+    from fsdp2.engine.collectives import record_collectives
 
     with record_collectives() as records:
         yield

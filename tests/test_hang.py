@@ -229,7 +229,7 @@ Nothing was issued: every rank of the group raises this error.""",
 
     def test_parameter_unused_on_rank1(self) -> None:
         """Every trainable parameter is in the reduce-scatter, zeros where a rank has no
-        gradient: the sizes agree ([Note: gradients on some ranks only] in fsdp2/reduce.py)."""
+        gradient: the sizes agree ([Note: gradients on some ranks only] in fsdp2/engine/reduce.py)."""
         assert _outcomes("unused_param", checks=True) == ["finished the step"] * 2
 
     def test_unused_parameters_reduced_as_zeros(self) -> None:
@@ -249,7 +249,7 @@ Nothing was issued: every rank of the group raises this error.""",
 
 def test_mismatch_causes() -> None:
     """The causes the report names for disagreements the scenarios above do not reach."""
-    from fsdp2.checks import _cause
+    from fsdp2.debug.checks import _cause
 
     def row(op: str, numel: int = 36, dtype: str = "float32") -> dict[str, object]:
         return {"op": op, "label": "blocks.1", "numel": numel, "dtype": dtype, "seq": 3}
@@ -295,7 +295,7 @@ def _destroyed_group_is_freed() -> bool:
 
     import torch.distributed as dist
 
-    from fsdp2 import hang
+    from fsdp2.debug import hang
 
     group = dist.new_group(backend="gloo")
     event = hang.note("all_gather", "x", torch.zeros(1), group)  # what every collective records

@@ -180,8 +180,8 @@ def test_sharded_storage_is_one_over_world_size(model: str, world_size: int) -> 
 
 def _at_reduce_scatter() -> list[dict[str, Any]]:
     """What each group still holds at the moment its reduce-scatter is issued."""
-    import fsdp2.param_group as param_group_module
-    import fsdp2.reduce as reduce_module
+    import fsdp2.engine.param_group as param_group_module
+    import fsdp2.engine.reduce as reduce_module
     from fsdp2 import fully_shard
 
     model = build_model("mlp", MODEL_SEED)

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 import fsdp2
 from fsdp2 import DataParallelMeshDims
-from fsdp2.collectives import record_collectives
+from fsdp2.engine.collectives import record_collectives
 from tests.dp_parity import (
     count,
     full,
@@ -197,7 +197,7 @@ def _replicate(how: str) -> dict[str, Any]:
     result = train_side_by_side(model, ref, MLP_BATCH, dp_rank=dist.get_rank(), dp_size=4)
 
     # Each group's whole gradients, and one fp32 flag per parameter (whether this rank had its
-    # gradient: [Note: gradients on some ranks only] in fsdp2/reduce.py).
+    # gradient: [Note: gradients on some ranks only] in fsdp2/engine/reduce.py).
     def with_flags(module: nn.Module) -> int:
         return nbytes(module) + 4 * len(list(module.parameters()))
 
@@ -335,7 +335,7 @@ def test_ignored_params() -> None:
     for result in run_on_ranks(2, _ignored):
         assert result["grads_differ"]
         # blocks.0 gathers and reduces only its bias: 16 floats, 8 per rank, and each rank's
-        # chunk its flag ([Note: gradients on some ranks only] in fsdp2/reduce.py).
+        # chunk its flag ([Note: gradients on some ranks only] in fsdp2/engine/reduce.py).
         assert result["bytes"] == [("all_gather", 8 * 4), ("reduce_scatter", (16 + 2) * 4)]
 
 

@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2
 from fsdp2 import MixedPrecisionPolicy
-from fsdp2.collectives import record_collectives
+from fsdp2.engine.collectives import record_collectives
 from tests.dp_parity import (
     BF16_TOL,
     SAME_ARITHMETIC,

@@ -1,5 +1,5 @@
 """A group is freed only once autograd is done with it, not merely once its trainable gradients
-are in ([Note: when a module's backward is done] in fsdp2/inputs.py).
+are in ([Note: when a module's backward is done] in fsdp2/engine/inputs.py).
 
 Frozen parameters read to compute input gradients after the last trainable gradient landed
 (LoRA: a frozen base Linear beside trainable adapters in one group; a frozen norm in a chunked
@@ -195,7 +195,7 @@ def test_reentrant_checkpoint_on_a_submodule() -> None:
 
 
 def _backward_order() -> list[list[tuple[str, str]]]:
-    from fsdp2.collectives import record_collectives
+    from fsdp2.engine.collectives import record_collectives
 
     t = Lockstep(LoRAStack, _batch)
     _shard(t, "fsdp2")

@@ -5,7 +5,7 @@ differs between ranks. Every rank must still issue the same reduce-scatter (a si
 aborts gloo, and is worse on NCCL), and the step must equal plain data parallel on the same
 batches: a rank without tokens adds zero to the average, and an expert no rank routed to keeps
 ``grad is None`` (as in the unsharded reference), so that the optimizer skips it. See
-[Note: gradients on some ranks only] in fsdp2/reduce.py.
+[Note: gradients on some ranks only] in fsdp2/engine/reduce.py.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def _sharded(shape: tuple[int, int] | None) -> Routed:
 
 
 def _train(reduce_scatter_unused: bool, shape: tuple[int, int] | None) -> dict[str, Any]:
-    from fsdp2.collectives import record_collectives
+    from fsdp2.engine.collectives import record_collectives
 
     t = _sharded(shape)
     t.model.set_reduce_scatter_unused_params(reduce_scatter_unused)  # type: ignore[operator]

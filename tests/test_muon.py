@@ -93,7 +93,7 @@ def _train(
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp2.collectives import record_collectives
+    from fsdp2.engine.collectives import record_collectives
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-from fsdp2 import collectives
+from fsdp2.engine import collectives
 from tests.harness import fsdp_api, run_on_ranks
 from tests.lockstep import CollectiveCounter, Lockstep
 from tests.models import Batch

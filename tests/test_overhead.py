@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from fsdp2.tree import tensors_in
+from fsdp2.engine.tree import tensors_in
 
 Pair = collections.namedtuple("Pair", "a b")
 

@@ -22,7 +22,7 @@ def _experts_on_hsdp_mesh() -> dict[str, object]:
     from torch.distributed.tensor import Replicate, Shard
 
     import fsdp2
-    from fsdp2.collectives import record_collectives
+    from fsdp2.engine.collectives import record_collectives
 
     rank = dist.get_rank()
     flat = init_device_mesh("cpu", (WORLD,))
@@ -71,7 +71,7 @@ def _experts_with_rank0_always_done() -> dict[str, object]:
     all-reduce over replicas while its peer waits in a gather, and both would hang."""
     import os
 
-    from fsdp2.collectives import Pending
+    from fsdp2.engine.collectives import Pending
 
     # The pool's processes run later tests too: put both back.
     saved_timeout, saved_done = os.environ.get("FSDP2_COLLECTIVE_TIMEOUT"), Pending.done

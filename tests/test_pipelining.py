@@ -5,7 +5,7 @@ stage root ``fully_shard``-ed over dp, trained over 4 microbatches with GPipe, 1
 interleaved 1F1B (two stages per rank; that schedule also unshards and reshards them itself).
 The stage's contract with FSDP2: it recognises the stage module with ``isinstance(m,
 FSDPModule)``, turns gradient sync off for every microbatch's backward, and after the last one
-reduces each group once through ``fully_shard.state(m)`` (see fsdp2/torch_state.py). fsdp2 is
+reduces each group once through ``fully_shard.state(m)`` (see fsdp2/engine/torch_state.py). fsdp2 is
 switched in both ways users do: ``fsdp2.patch_torch_fsdp()`` (the stage then calls fsdp2's
 names), and ``from fsdp2 import fully_shard`` with torch left alone (the stage calls torch's
 names on fsdp2's modules). Both must train exactly as torch's ``fully_shard`` does, with the
@@ -34,8 +34,8 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 
 import fsdp2
-from fsdp2.collectives import record_collectives
-from fsdp2.swap import unpatch_torch_fsdp
+from fsdp2.engine.collectives import record_collectives
+from fsdp2.tools.swap import unpatch_torch_fsdp
 from tests.harness import IMPL_UNDER_TEST, run_on_ranks
 from tests.lockstep import CollectiveCounter
 

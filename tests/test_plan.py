@@ -115,8 +115,8 @@ def _real_step(
 ) -> dict[str, Any]:
     """One AdamW step on this rank; what it holds afterwards and what it sent. ``prefetch``:
     the groups guess prefetches as on an accelerator (``guess_prefetch``; CPU meshes do not)."""
-    from fsdp2.collectives import record_collectives
-    from fsdp2.module import state_of
+    from fsdp2.engine.collectives import record_collectives
+    from fsdp2.engine.module import state_of
 
     model = _build(model_name)
     if len(mesh_shape) == 2:
@@ -319,7 +319,7 @@ class TestPlanErrors(expecttest.TestCase):
 
 def test_cli(capsys: pytest.CaptureFixture[str]) -> None:
     """``python -m fsdp2.plan``: JSON per world size; without --shard it says how it sharded."""
-    from fsdp2.planner.cli import main
+    from fsdp2.tools.planner.cli import main
 
     assert main(["tests.models:GPT", "--world-size", "2,4", "--batch", "2x16,2x16", "--json"]) == 0
     plans = json.loads(capsys.readouterr().out)

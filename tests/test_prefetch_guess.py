@@ -1,4 +1,4 @@
-"""The guessed prefetch that accelerators use ([Note: prefetch order] in fsdp2/state.py), forced
+"""The guessed prefetch that accelerators use ([Note: prefetch order] in fsdp2/engine/state.py), forced
 on over gloo: each group, once gathered for forward, starts the gather of the group that came
 next in the last forward (and backward gathers the group before). Timing changes; numbers, and
 the number of collectives, must not. Trained in lockstep with an unsharded reference."""
@@ -16,7 +16,7 @@ NUM_STEPS = 3
 
 
 def _guessed(skip_block_in_last_step: bool) -> list[dict[str, Any]]:
-    from fsdp2.collectives import record_collectives
+    from fsdp2.engine.collectives import record_collectives
 
     t = Lockstep("mlp")
     shard_mlp(t.model)

@@ -103,7 +103,7 @@ def _states(model: nn.Module) -> list[Any]:
 
 
 def _recover(impl: str, where: str) -> dict[str, Any]:
-    from fsdp2.collectives import record_collectives
+    from fsdp2.engine.collectives import record_collectives
 
     t = _sharded_fragile(impl)
     comms: list[Counter[str]] = []

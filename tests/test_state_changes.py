@@ -172,7 +172,7 @@ def test_unfreeze_in_mixed_dtype_group_reduces_in_the_wider_dtype(fsdp2_only: No
     per_step = run_on_ranks(2, _unfreeze_in_mixed_dtype_group)[0]
     # Per rank, chunks of 4 of 7 rows, both ranks' sent: lin.weight (7x7) and lin.bias (7) in
     # fp32 at first; then also proj (7x7) and gain (7), all reduced in fp64. And a flag per
-    # trained parameter ([Note: gradients on some ranks only] in fsdp2/reduce.py).
+    # trained parameter ([Note: gradients on some ranks only] in fsdp2/engine/reduce.py).
     fp32_only, with_fp64 = 2 * (28 + 4 + 2) * 4, 2 * (28 + 4 + 28 + 4 + 4) * 8
     assert per_step[0]["blocks.0"] == fp32_only, per_step
     assert per_step[1]["blocks.0"] == per_step[2]["blocks.1"] == with_fp64, per_step
@@ -666,7 +666,7 @@ def _replaced_parameters_traced(compiled: bool) -> None:
     """Traced mode (``set_traced``) follows assigned parameters too: eagerly it adopts them as
     the hooks do; inside a compiled region (here layers.0, whose forward runs within the
     compiled root) it gathers from whatever parameter the module holds."""
-    from fsdp2.traced import set_traced
+    from fsdp2.engine.traced import set_traced
 
     model, ref = _chain("fsdp2")
     set_traced(model)

@@ -198,8 +198,8 @@ def _fsdp_tp(
     for block in model.blocks:
         fsdp2.fully_shard(block, **kwargs)
     fsdp2.fully_shard(model, **kwargs)
-    if traced:  # collectives as functional ops around each forward (fsdp2.traced), not hooks
-        from fsdp2.traced import set_traced
+    if traced:  # collectives as functional ops around each forward (fsdp2.engine.traced), not hooks
+        from fsdp2.engine.traced import set_traced
 
         set_traced(model)
 
@@ -279,7 +279,7 @@ def _traced_compiled_vs_hooks(sequence_parallel: bool) -> dict[str, Any]:
     """The same TP model twice: traced and compiled with ``fullgraph=True``, and with the hooks."""
     from torch._dynamo.utils import counters
 
-    from fsdp2.traced import set_traced
+    from fsdp2.engine.traced import set_traced
 
     torch._dynamo.reset()  # rank processes outlive tests
     counters.clear()

@@ -22,8 +22,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from fsdp2.mesh import MeshInfo
-from fsdp2.param import FSDPParam
+from fsdp2.engine.mesh import MeshInfo
+from fsdp2.engine.param import FSDPParam
 from tests.dp_parity import Tolerance, full, train_side_by_side
 from tests.errors import raised
 from tests.harness import fsdp_api, init_local_process_group, run_on_ranks
@@ -107,7 +107,7 @@ def chunks(t: torch.Tensor, n: int) -> list[list[int]]:
 def test_uneven_nesting_matches_dtensor() -> None:
     """fsdp2's rows (each tp piece cut in ceil(rows / dp) chunks) against DTensor's own split
     for (_StridedShard, Shard): where they differ, fully_shard must refuse on every rank."""
-    from fsdp2.nested import dp_rows_mismatch
+    from fsdp2.engine.nested import dp_rows_mismatch
 
     mismatches = 0
     for rows in range(1, 40):

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fsdp2.collectives import all_to_all
+from fsdp2.engine.collectives import all_to_all
 
 __all__ = ["MatrixLayout", "assign_owners", "exchange", "matrix_layout"]
 

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from fsdp2.module import state_of
-from fsdp2.param import FSDPParam
-from fsdp2.param_group import FSDPParamGroup
-from fsdp2.state import FSDPState
+from fsdp2.engine.module import state_of
+from fsdp2.engine.param import FSDPParam
+from fsdp2.engine.param_group import FSDPParamGroup
+from fsdp2.engine.state import FSDPState
 
 __all__ = ["GroupFacts", "collect_groups"]
 

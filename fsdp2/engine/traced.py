@@ -42,13 +42,13 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from fsdp2.changes import take_up_changes
-from fsdp2.policies import cast_floats
+from fsdp2.engine.changes import take_up_changes
+from fsdp2.engine.policies import cast_floats
 
 if TYPE_CHECKING:
-    from fsdp2.param import FSDPParam
-    from fsdp2.param_group import FSDPParamGroup
-    from fsdp2.state import FSDPState
+    from fsdp2.engine.param import FSDPParam
+    from fsdp2.engine.param_group import FSDPParamGroup
+    from fsdp2.engine.state import FSDPState
 
 __all__ = ["set_traced", "traced_forward"]
 

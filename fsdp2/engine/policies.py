@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from fsdp2.tree import map_tensors
+from fsdp2.engine.tree import map_tensors
 
 __all__ = ["CPUOffloadPolicy", "DataParallelMeshDims", "MixedPrecisionPolicy", "OffloadPolicy"]
 

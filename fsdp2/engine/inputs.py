@@ -37,7 +37,7 @@ import torch
 from torch.autograd.graph import Node, get_gradient_edge
 from torch.utils.hooks import RemovableHandle
 
-from fsdp2.tree import tensors_in
+from fsdp2.engine.tree import tensors_in
 
 __all__ = ["InputHooks"]
 

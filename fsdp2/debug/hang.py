@@ -47,8 +47,8 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
-from fsdp2 import waiting as waits
-from fsdp2.waiting import group_name, timeout_s
+from fsdp2.debug import waiting as waits
+from fsdp2.debug.waiting import group_name, timeout_s
 
 __all__ = [
     "CollectiveFailedError",
@@ -64,7 +64,7 @@ logger = logging.getLogger("fsdp2")
 
 _RING = 8  # events kept per rank
 _PUBLISHED = 4  # of which the newest are published
-_KEY = "fsdp2/hang/rank{}"
+_KEY = "fsdp2/debug/hang/rank{}"
 _OP_NAMES = {
     "all_gather": "all-gather",
     "reduce_scatter": "reduce-scatter",
@@ -412,7 +412,7 @@ def _failure_cause(said: str) -> str:
 
 
 def _checks_hint() -> str:
-    from fsdp2 import checks
+    from fsdp2.debug import checks
 
     if checks.enabled():
         return "(Collective checks are on: the ranks agreed on every collective before this one.)"

@@ -19,7 +19,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from fsdp2.policies import DataParallelMeshDims
+from fsdp2.engine.policies import DataParallelMeshDims
 
 __all__ = ["MeshInfo", "default_mesh", "device_of", "mesh_info", "sharded_layout"]
 

@@ -20,8 +20,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from fsdp2.param import FSDPParam
-from fsdp2.param_group import FSDPParamGroup
+from fsdp2.engine.param import FSDPParam
+from fsdp2.engine.param_group import FSDPParamGroup
 
 __all__ = ["check_state_dict", "register_state_dict_hooks"]
 

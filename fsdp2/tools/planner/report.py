@@ -8,8 +8,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsdp2.planner.estimate import Collective
-from fsdp2.planner.groups import GroupFacts
+from fsdp2.tools.planner.estimate import Collective
+from fsdp2.tools.planner.groups import GroupFacts
 
 __all__ = ["Comparison", "Plan"]
 

@@ -36,13 +36,13 @@ import torch.nn as nn
 from torch._compile import _disable_dynamo
 from torch.autograd import Variable
 
-from fsdp2.agreement import check_materialized
-from fsdp2.changes import take_up_changes
-from fsdp2.inputs import InputHooks
-from fsdp2.param_group import FSDPParamGroup
-from fsdp2.policies import MixedPrecisionPolicy, cast_floats
-from fsdp2.reduce import PendingReduce, Reduced, hand_over
-from fsdp2.tree import map_tensors, tensors_in
+from fsdp2.engine.agreement import check_materialized
+from fsdp2.engine.changes import take_up_changes
+from fsdp2.engine.inputs import InputHooks
+from fsdp2.engine.param_group import FSDPParamGroup
+from fsdp2.engine.policies import MixedPrecisionPolicy, cast_floats
+from fsdp2.engine.reduce import PendingReduce, Reduced, hand_over
+from fsdp2.engine.tree import map_tensors, tensors_in
 
 __all__ = ["FSDPState", "IterContext", "TrainingState"]
 

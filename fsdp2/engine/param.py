@@ -29,14 +29,14 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, _dtensor_spec
 from torch.utils import dlpack
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from fsdp2.extension import contiguous_strides, has_extension
-from fsdp2.mesh import MeshInfo, sharded_layout
-from fsdp2.nested import dp_rows_mismatch, piece_sizes
+from fsdp2.engine.extension import contiguous_strides, has_extension
+from fsdp2.engine.mesh import MeshInfo, sharded_layout
+from fsdp2.engine.nested import dp_rows_mismatch, piece_sizes
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from fsdp2.param_group import FSDPParamGroup
+    from fsdp2.engine.param_group import FSDPParamGroup
 
 __all__ = ["FSDPParam", "ShardedState", "typed"]
 

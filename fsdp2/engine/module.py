@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fsdp2.changes import take_up_changes
-from fsdp2.collectives import (
+from fsdp2.engine.changes import take_up_changes
+from fsdp2.engine.collectives import (
     AllGather,
     GroupAllocAllGather,
     GroupAllocReduceScatter,
@@ -19,10 +19,10 @@ from fsdp2.collectives import (
     SymmMemAllGather,
     SymmMemReduceScatter,
 )
-from fsdp2.param_group import FSDPParamGroup
-from fsdp2.state import FSDPState
-from fsdp2.state_dict import check_state_dict
-from fsdp2.traced import traced_forward
+from fsdp2.engine.param_group import FSDPParamGroup
+from fsdp2.engine.state import FSDPState
+from fsdp2.engine.state_dict import check_state_dict
+from fsdp2.engine.traced import traced_forward
 
 __all__ = ["STATE_ATTR", "FSDPModule", "ReplicateModule", "UnshardHandle", "state_of"]
 

@@ -29,9 +29,9 @@ import torch.nn as nn
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from fsdp2.param import FSDPParam
-    from fsdp2.param_group import FSDPParamGroup
-    from fsdp2.policies import MixedPrecisionPolicy
+    from fsdp2.engine.param import FSDPParam
+    from fsdp2.engine.param_group import FSDPParamGroup
+    from fsdp2.engine.policies import MixedPrecisionPolicy
 
     class _Extension(Protocol):
         """What ``has_extension`` checks a shard for: the two hooks of the module docstring."""

@@ -36,18 +36,18 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fsdp2 import extension
-from fsdp2.collectives import (
+from fsdp2.engine import extension
+from fsdp2.engine.collectives import (
     AllGather,
     Pending,
     ReduceScatter,
     all_gather,
 )
-from fsdp2.extension import Packing
-from fsdp2.mesh import MeshInfo
-from fsdp2.param import FSDPParam, ShardedState, typed
-from fsdp2.policies import CPUOffloadPolicy, MixedPrecisionPolicy
-from fsdp2.reduce import GradientReduction
+from fsdp2.engine.extension import Packing
+from fsdp2.engine.mesh import MeshInfo
+from fsdp2.engine.param import FSDPParam, ShardedState, typed
+from fsdp2.engine.policies import CPUOffloadPolicy, MixedPrecisionPolicy
+from fsdp2.engine.reduce import GradientReduction
 
 __all__ = ["FSDPParamGroup"]
 

@@ -25,8 +25,8 @@ import torch.nn as nn
 from torch.distributed._composable.contract import STATE_KEY
 from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard as _torch_fully_shard
 
-from fsdp2.param_group import FSDPParamGroup
-from fsdp2.state import FSDPState, IterContext
+from fsdp2.engine.param_group import FSDPParamGroup
+from fsdp2.engine.state import FSDPState, IterContext
 
 __all__ = ["TorchStateView", "register_torch_state", "torch_state"]
 

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from fsdp2 import checks, collectives
+from fsdp2.debug import checks
+from fsdp2.engine import collectives
 
 __all__ = ["ShardedGradScaler"]
 

@@ -8,7 +8,7 @@ pair up even when the collectives behind them would not (they all have the same 
 first disagreement is seen by every rank of the group, before the mismatched collective is
 issued, and every rank raises :class:`CollectiveMismatchError` naming each rank's module. The
 exchange is bounded by the hang report's deadline (``FSDP2_COLLECTIVE_TIMEOUT``), so a rank that
-never arrives ends in :class:`~fsdp2.hang.CollectiveTimeoutError` instead.
+never arrives ends in :class:`~fsdp2.debug.hang.CollectiveTimeoutError` instead.
 
 Enable it on every rank (the environment variable does): a rank without checks would pair its
 real collective with the others' fingerprints. On CUDA the comparison copies 128 bytes per rank
@@ -26,7 +26,7 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from fsdp2 import hang
+from fsdp2.debug import hang
 
 __all__ = [
     "FINGERPRINT_BYTES",

@@ -20,8 +20,8 @@ from typing import cast
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fsdp2.param import FSDPParam, ShardedState
-from fsdp2.param_group import FSDPParamGroup
+from fsdp2.engine.param import FSDPParam, ShardedState
+from fsdp2.engine.param_group import FSDPParamGroup
 
 __all__ = ["take_up_changes"]
 

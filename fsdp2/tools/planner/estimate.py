@@ -20,7 +20,7 @@ every trainable parameter getting a gradient:
 - A group backward never reaches (frozen, with nothing trainable before it: a frozen first
   block) is not gathered in backward on a CPU mesh; on an accelerator the group after it
   prefetches it anyway (unless that is the root's), and the gather is freed unused at the end
-  of backward (fsdp2/state.py, [Note: prefetch order]).
+  of backward (fsdp2/engine/state.py, [Note: prefetch order]).
 What it does not see: the optimizer step's temporaries (foreach AdamW allocates a few
 parameter-shard-sized buffers), caching-allocator fragmentation, extension (float8) packing.
 """
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fsdp2.planner.groups import GroupFacts
+from fsdp2.tools.planner.groups import GroupFacts
 
 __all__ = ["Collective", "Transient", "collectives", "transient"]
 

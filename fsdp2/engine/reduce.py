@@ -46,9 +46,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial
 
-from fsdp2.collectives import Pending, ReduceScatter, all_reduce, reduce_scatter
-from fsdp2.mesh import MeshInfo
-from fsdp2.param import FSDPParam
+from fsdp2.engine.collectives import Pending, ReduceScatter, all_reduce, reduce_scatter
+from fsdp2.engine.mesh import MeshInfo
+from fsdp2.engine.param import FSDPParam
 
 __all__ = [
     "GradientReduction",

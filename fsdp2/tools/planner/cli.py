@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from fsdp2.planner import plan
-from fsdp2.planner.world import PlanError
+from fsdp2.tools.planner import plan
+from fsdp2.tools.planner.world import PlanError
 
 __all__ = ["main"]
 

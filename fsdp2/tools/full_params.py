@@ -25,10 +25,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from fsdp2.module import state_of
-from fsdp2.param import FSDPParam, parameter
-from fsdp2.param_group import FSDPParamGroup
-from fsdp2.state import FSDPState, TrainingState
+from fsdp2.engine.module import state_of
+from fsdp2.engine.param import FSDPParam, parameter
+from fsdp2.engine.param_group import FSDPParamGroup
+from fsdp2.engine.state import FSDPState, TrainingState
 
 __all__ = ["summon_full_params"]
 

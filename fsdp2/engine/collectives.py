@@ -19,7 +19,7 @@ from typing import Literal, cast
 import torch
 import torch.distributed as dist
 
-from fsdp2 import checks, hang
+from fsdp2.debug import checks, hang
 
 __all__ = [
     "AllGather",

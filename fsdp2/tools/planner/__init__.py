@@ -15,11 +15,11 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp2.planner.activations import activation_bytes
-from fsdp2.planner.estimate import collectives, transient
-from fsdp2.planner.groups import GroupFacts, collect_groups
-from fsdp2.planner.report import Comparison, Plan
-from fsdp2.planner.world import (
+from fsdp2.tools.planner.activations import activation_bytes
+from fsdp2.tools.planner.estimate import collectives, transient
+from fsdp2.tools.planner.groups import GroupFacts, collect_groups
+from fsdp2.tools.planner.report import Comparison, Plan
+from fsdp2.tools.planner.world import (
     PlanError,
     beside_live_group,
     build_on_meta,

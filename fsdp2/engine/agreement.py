@@ -43,11 +43,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fsdp2.collectives import agree_ints, agree_objects
-from fsdp2.mesh import MeshInfo, device_of
+from fsdp2.engine.collectives import agree_ints, agree_objects
+from fsdp2.engine.mesh import MeshInfo, device_of
 
 if TYPE_CHECKING:
-    from fsdp2.param_group import FSDPParamGroup
+    from fsdp2.engine.param_group import FSDPParamGroup
 
 __all__ = ["check_fully_shard", "check_materialized"]
 
