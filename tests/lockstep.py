@@ -174,6 +174,27 @@ def shard_mlp(model: nn.Module, impl: str = "fsdp2", **kwargs: Any) -> None:
     fully_shard(model, **kwargs)
 
 
+def labels(records: Iterable[Any], kind: str) -> list[str]:
+    """The group labels of the ``kind`` collectives in ``records``, in issue order."""
+    return [r.label for r in records if r.kind == kind]
+
+
+def backward_counts(t: Lockstep, num_steps: int, kind: str) -> list[int]:
+    """Train ``num_steps`` checked lockstep steps; the ``kind`` collectives (`CollectiveCounter`'s
+    names) of each backward."""
+    counts = []
+    for step in range(num_steps):
+        loss = t.model(*t.local(step))
+        with CollectiveCounter() as counter:
+            loss.backward()
+        counts.append(counter.counts[kind])
+        t.reference_step(loss, step)
+        t.check_grads(f"step {step}")
+        t.optim_step()
+    t.check_params("after training")
+    return counts
+
+
 def count(records: Iterable[Any], kind: str) -> Counter[str]:
     """Collectives of ``kind`` per group label, from `fsdp2.engine.collectives.record_collectives`."""
     return Counter(r.label for r in records if r.kind == kind)
