@@ -1,10 +1,10 @@
 """Gradient accumulation: no-sync micro-steps, the last backward, and when to free parameters.
 
 Each test steps a sharded `MLPStack` (a group per block, then the root: labels "blocks.i" and
-"") and its unsharded reference through the same micro-batches (see `tests/lockstep.py`). The
+"") and its unsharded reference through the same micro-batches (see `tests/parity/lockstep.py`). The
 reference simply accumulates; the sharded model must end every step with the same gradients
 while issuing only the collectives the knobs promise. Communication counts are also checked
-against torch's own ``fully_shard`` (c10d-level counts from `tests.lockstep.CollectiveCounter`).
+against torch's own ``fully_shard`` (c10d-level counts from `tests.parity.CollectiveCounter`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from torch.distributed.tensor import DTensor
 
 from tests.harness import run_on_ranks
-from tests.lockstep import CollectiveCounter, Lockstep, count, shard_mlp
+from tests.parity import CollectiveCounter, Lockstep, count, shard_model
 
 NUM_STEPS, NUM_MICRO = 2, 3
 GROUPS = ["blocks.0", "blocks.1", "blocks.2", ""]
@@ -38,7 +38,7 @@ def _no_sync() -> dict[str, Any]:
     from fsdp2.engine.collectives import record_collectives
 
     t = Lockstep("mlp")
-    shard_mlp(t.model)
+    shard_model(t.model, "mlp")
     t.make_optimizers()
     reduce_scatters, grads_before_last = [], []
     for step in range(NUM_STEPS):
@@ -68,7 +68,7 @@ def _is_last_backward() -> list[Counter[str]]:
     from fsdp2.engine.collectives import record_collectives
 
     t = Lockstep("mlp")
-    shard_mlp(t.model)
+    shard_model(t.model, "mlp")
     t.make_optimizers()
     reduce_scatters = []
     for step in range(NUM_STEPS):
@@ -97,7 +97,7 @@ def test_is_last_backward_false_defers_waiting_not_gradients(fsdp2_only: None) -
 def _keep_gathered(impl: str) -> dict[str, Any]:
     """No sync and no resharding until the last micro-step: later micro-steps gather nothing."""
     t = Lockstep("mlp")
-    shard_mlp(t.model, impl)
+    shard_model(t.model, "mlp", impl)
     t.make_optimizers()
     t.model.set_reshard_after_forward(False)
     comms, unsharded = [], []
@@ -134,7 +134,7 @@ def test_reshard_after_backward_false_keeps_params_gathered(impl: str, fsdp2_onl
 def _reshard_after_forward_phases(impl: str) -> list[dict[str, int]]:
     """Backward all-gathers under a sequence of set_reshard_after_forward calls."""
     t = Lockstep("mlp")
-    shard_mlp(t.model, impl)
+    shard_model(t.model, "mlp", impl)
     t.make_optimizers()
     phases = [
         None,  # defaults: blocks reshard, the root keeps its parameters

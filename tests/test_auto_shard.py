@@ -22,9 +22,9 @@ import torch.nn as nn
 import fsdp2
 from fsdp2.tools.auto import plan_auto_shard
 from tests.auto_shard_models import ALL_CASES, CASES, Case, block_calls, build_gpt, token_batch
-from tests.dp_parity import count, full, train_side_by_side
 from tests.errors import raised
 from tests.harness import run_on_ranks
+from tests.parity import count, full, train_side_by_side
 
 NUM_STEPS = 3
 

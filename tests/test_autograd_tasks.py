@@ -4,7 +4,7 @@ runs each block's backward as a nested autograd graph task, and non-reentrant),
 backwards accumulating, a gradient penalty (double backward), ``backward(create_graph=True)``
 into sharded parameters (refused), and ``torch.func.jvp`` (forward mode).
 
-Each trains a sharded model next to its unsharded reference (`tests/lockstep.py`) and compares
+Each trains a sharded model next to its unsharded reference (`tests/parity/lockstep.py`) and compares
 gradients and parameters; checkpointing also pins the order of collectives in backward, which
 shows whether each group reduce-scatters as soon as its gradients are in.
 """
@@ -24,8 +24,8 @@ from torch.utils.checkpoint import checkpoint
 
 from tests.errors import raised
 from tests.harness import run_on_ranks
-from tests.lockstep import Lockstep, close
 from tests.models import Batch
+from tests.parity import Lockstep, close
 
 pytestmark = pytest.mark.usefixtures("fsdp2_only")
 

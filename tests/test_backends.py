@@ -51,12 +51,12 @@ def run_on_threads(
     traceback is raised here; a rank still running after ``timeout`` seconds too."""
     from torch.testing._internal.distributed import multi_threaded_pg as mtpg
 
-    import tests.parity
+    import tests.parity.run
 
     # The parity models are initialised from torch's global RNG, which the threads share.
-    build = tests.parity.build_model
+    build = tests.parity.run.twins
 
-    def locked_build(*build_args: Any) -> torch.nn.Module:
+    def locked_build(*build_args: Any) -> tuple[torch.nn.Module, torch.nn.Module]:
         with _build_lock:
             return build(*build_args)
 
@@ -77,7 +77,7 @@ def run_on_threads(
 
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
     mtpg._install_threaded_pg()
-    tests.parity.build_model = locked_build
+    tests.parity.run.twins = locked_build
     try:
         threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world_size)]
         for thread in threads:
@@ -89,7 +89,7 @@ def run_on_threads(
                 mtpg.ProcessLocalGroup.exception_handle(TimeoutError())
                 thread.join(5.0)
     finally:
-        tests.parity.build_model = build
+        tests.parity.run.twins = build
         mtpg.ProcessLocalGroup.reset()
         mtpg._uninstall_threaded_pg()
         torch._C._distributed_c10d._set_thread_isolation_mode(False)

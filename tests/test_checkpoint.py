@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from tests.harness import IMPL_UNDER_TEST, discard_pool, fsdp_api, run_on_ranks
 from tests.models import GPT, GPT_SEQ, build_model
-from tests.parity import MODEL_SEED, ParityConfig, adamw, shard_model, train_global_batches
+from tests.parity import MODEL_SEED, adamw, shard_model, train_global_batches
 from tests.tolerance import assert_fp32_close
 
 NAME = "gpt"  # tied embedding/head weights, buffers, five fully_shard groups
@@ -49,7 +49,7 @@ BROADCAST = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
 def _sharded_model(seed: int) -> nn.Module:
     model = build_model(NAME, seed)
-    shard_model(model, ParityConfig(model=NAME, impl=IMPL_UNDER_TEST))
+    shard_model(model, NAME, IMPL_UNDER_TEST)
     return model
 
 
@@ -57,7 +57,7 @@ def _train(
     model: nn.Module, optim: torch.optim.Optimizer, steps: range, sharded: bool = True
 ) -> list[float]:
     """Losses of the global batches ``steps``; a sharded model takes its rank's rows of each."""
-    return train_global_batches(NAME, model, optim, steps, seed=700, sharded=sharded)
+    return train_global_batches(NAME, model, optim, steps, sharded=sharded)
 
 
 def _full_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tests.harness import run_on_ranks
-from tests.lockstep import Lockstep, full, shard_mlp
+from tests.parity import Lockstep, full, shard_model
 from tests.tolerance import assert_fp32_close
 
 NUM_STEPS = 3
@@ -14,7 +14,7 @@ MAX_NORM = 0.05
 
 def _clip_grad_norm() -> list[float]:
     t = Lockstep("mlp")
-    shard_mlp(t.model)
+    shard_model(t.model, "mlp")
     t.make_optimizers()
     norms = []
     for step in range(NUM_STEPS):

@@ -24,19 +24,17 @@ import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 
 from tests.harness import IMPL_UNDER_TEST, run_on_ranks
-from tests.models import MODELS, build_model, make_batch
+from tests.models import MODELS, build_model
 from tests.parity import (
     LR,
     MODEL_SEED,
-    ParityConfig,
-    batch_seed,
+    local_batch,
     padded_shard_numel,
     plan_groups,
     shard_model,
 )
 
 FP32_BYTES = 4
-LOCAL_BATCH = 4
 
 
 def _ground_truth(name: str, step: int) -> dict[str, Any]:
@@ -49,7 +47,7 @@ def _ground_truth(name: str, step: int) -> dict[str, Any]:
     spec = MODELS[name]
     if spec.prepare_step is not None:
         spec.prepare_step(ref, step)
-    ref(*make_batch(name, batch_seed(step, dist.get_rank()), LOCAL_BATCH)).backward()
+    ref(*local_batch(name, step, 0, dist.get_rank(), dist.get_world_size())).backward()
     return {
         "ran": ran,
         "groups": [
@@ -69,16 +67,14 @@ def _run_step(
 ) -> dict[str, Any]:
     """Train ``step`` steps, then record the collectives of step ``step`` phase by phase."""
     model = build_model(name, MODEL_SEED)
-    shard_model(
-        model, ParityConfig(model=name, impl=impl, reshard_after_forward=reshard_after_forward)
-    )
+    shard_model(model, name, impl, reshard_after_forward=reshard_after_forward)
     optim = torch.optim.AdamW(model.parameters(), lr=LR)
     spec = MODELS[name]
     phases: dict[str, Any] = {}
     for i in range(step + 1):
         if spec.prepare_step is not None:
             spec.prepare_step(model, i)
-        batch = make_batch(name, batch_seed(i, dist.get_rank()), LOCAL_BATCH)
+        batch = local_batch(name, i, 0, dist.get_rank(), dist.get_world_size())
         if i < step:  # warm-up, including lazy initialization
             model(*batch).backward()
         else:

@@ -26,7 +26,7 @@ from fsdp2.engine.collectives import (
 )
 from tests.errors import raised
 from tests.harness import IMPL_UNDER_TEST, run_on_ranks
-from tests.lockstep import Lockstep, fsdp_modules, shard_mlp
+from tests.parity import Lockstep, fsdp_modules, shard_model
 
 NUM_STEPS = 3
 
@@ -45,7 +45,7 @@ def _train(t: Lockstep) -> tuple[list[float], list[Any]]:
 
 def _separate_reduce_scatter_group(impl: str) -> dict[str, Any]:
     t = Lockstep("mlp")
-    shard_mlp(t.model, impl)
+    shard_model(t.model, "mlp", impl)
     root: Any = t.model
     root.set_separate_reduce_scatter_group()  # recurse: every module
     root.set_separate_reduce_scatter_group()  # idempotent: no second group
@@ -79,7 +79,7 @@ def test_separate_reduce_scatter_group(world_size: int) -> None:
 
 def _allocate_from_group(enable: bool) -> list[float]:
     t = Lockstep("mlp")
-    shard_mlp(t.model)
+    shard_model(t.model, "mlp")
     for module in fsdp_modules(t.model):
         module.set_allocate_memory_from_process_group_for_comm(enable)
         groups = module._get_fsdp_state().groups
@@ -131,7 +131,7 @@ def test_group_allocators_use_the_backends_allocator() -> None:
 
 def _error_messages() -> dict[str, str]:
     t = Lockstep("mlp")
-    shard_mlp(t.model)
+    shard_model(t.model, "mlp")
     root: Any = t.model
     block = root.blocks[0]
     block.set_custom_reduce_scatter(LowPrecisionReduceScatter())

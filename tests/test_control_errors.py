@@ -13,8 +13,8 @@ from torch.distributed.tensor import DTensor
 
 from tests.errors import error_text
 from tests.harness import IMPL_UNDER_TEST, run_on_ranks
-from tests.lockstep import Lockstep, shard_mlp
 from tests.models import MLP_IN
+from tests.parity import Lockstep, shard_model
 
 VOCAB = 16
 
@@ -59,7 +59,7 @@ def _error_messages() -> dict[str, str]:
     messages["tied: siblings"] = error_text(lambda: fully_shard(siblings.b))
 
     t = Lockstep("mlp")
-    shard_mlp(t.model)
+    shard_model(t.model, "mlp")
     stray = nn.Linear(2, 2)
     messages["forward prefetch"] = error_text(
         lambda: t.model.set_modules_to_forward_prefetch([t.model.blocks[0], stray])

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from tests.harness import run_on_ranks
-from tests.lockstep import Lockstep, fsdp_modules, labels, shard_mlp
+from tests.parity import Lockstep, fsdp_modules, labels, shard_model
 
 NUM_STEPS = 3
 
@@ -60,7 +60,7 @@ def _custom_comms() -> dict[str, int]:
             )
 
     t = Lockstep("mlp")
-    shard_mlp(t.model)
+    shard_model(t.model, "mlp")
     for module in fsdp_modules(t.model):
         module.set_custom_all_gather(CountingAllGather())
         module.set_custom_reduce_scatter(CountingReduceScatter())

@@ -1,10 +1,10 @@
 """``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``: the order of the
-all-gathers, trained next to the unsharded reference (`tests/lockstep.py`)."""
+all-gathers, trained next to the unsharded reference (`tests/parity/lockstep.py`)."""
 
 from __future__ import annotations
 
 from tests.harness import run_on_ranks
-from tests.lockstep import Lockstep, labels, shard_mlp
+from tests.parity import Lockstep, labels, shard_model
 
 NUM_STEPS = 3
 
@@ -13,7 +13,7 @@ def _explicit_prefetch() -> list[dict[str, list[str]]]:
     from fsdp2.engine.collectives import record_collectives
 
     t = Lockstep("mlp")
-    shard_mlp(t.model)
+    shard_model(t.model, "mlp")
     t.make_optimizers()
     blocks = t.model.blocks
     t.model.set_modules_to_forward_prefetch([blocks[2]])

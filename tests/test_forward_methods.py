@@ -1,6 +1,6 @@
 """Modules called outside the plain forward: one group over two modules (``fully_shard([embed,
 head])``) with the head called once per loss chunk, and ``register_fsdp_forward_method``.
-Counted with `tests.lockstep.CollectiveCounter`, for fsdp2 and for torch's own ``fully_shard``."""
+Counted with `tests.parity.CollectiveCounter`, for fsdp2 and for torch's own ``fully_shard``."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from tests.harness import fsdp_api, run_on_ranks
-from tests.lockstep import CollectiveCounter, Lockstep
 from tests.models import MLP_IN, Batch
+from tests.parity import CollectiveCounter, Lockstep
 from tests.tolerance import assert_fp32_close
 
 NUM_STEPS = 3

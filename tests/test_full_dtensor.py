@@ -7,7 +7,7 @@ its own contribution. The reduce-scatter must reduce exactly those contributions
 them first over the dp ranks counts each rank's share once per rank: a factor of the dp size).
 
 Every layout trains side by side with the single-process reference on the global batch
-(`tests/dp_parity.py`), and torch's own ``fully_shard`` trains the same way.
+(`tests/parity/`), and torch's own ``fully_shard`` trains the same way.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from fsdp2 import DataParallelMeshDims, MixedPrecisionPolicy
-from tests.dp_parity import FP32, Tolerance, train_side_by_side
 from tests.harness import fsdp_api, run_on_ranks
 from tests.models import Batch
+from tests.parity import train_side_by_side
+from tests.tolerance import FP32, Tolerance
 
 IN, HIDDEN, OUT = 8, 16, 4
 # Row-wise layers add partial sums over the tp ranks: a different order than one matmul.

@@ -20,21 +20,20 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tests.models import build_model, make_batch
 from tests.parity import (
-    MODEL_SEED,
-    ParityConfig,
-    _Comparer,
-    _forward_backward,
-    _global_mean,
+    LOCAL_BATCH,
+    Margin,
     adamw,
-    batch_seed,
+    close,
+    compare_buffers,
     compare_grads,
-    compare_params_and_buffers,
+    compare_params,
     global_batch,
+    mean_over_ranks,
+    rank_rows,
     shard_model,
+    twins,
 )
-from tests.tolerance import FP32_ATOL, FP32_RTOL, PARAM_ATOL
 
 pytestmark = [
     pytest.mark.gpu,
@@ -45,7 +44,6 @@ pytestmark = [
 ]
 
 NUM_STEPS = 4
-LOCAL_BATCH = 4
 _TIMEOUT_S = 180
 
 
@@ -108,32 +106,33 @@ def _parity(model_name: str) -> dict[str, Any]:
     on the same GPU; compare losses, gradients (full_tensor) and final parameters."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = _device()
-    cfg = ParityConfig(model=model_name, impl="fsdp2", local_batch_size=LOCAL_BATCH)
-    model = build_model(model_name, MODEL_SEED).to(device)
-    ref = build_model(model_name, MODEL_SEED).to(device)
+    model, ref = (m.to(device) for m in twins(model_name))
     init = [p.detach().clone() for p in ref.parameters()]
-    shard_model(model, cfg)
+    shard_model(model, model_name)
     for p in model.parameters():
         assert p.device == device, f"{p.device} != {device}"
-    close = _Comparer(FP32_RTOL, FP32_ATOL)
+    margin = Margin()
     optim, ref_optim = adamw(model.parameters()), adamw(ref.parameters())
     losses = []
     for step in range(NUM_STEPS):
         model.zero_grad()
         ref.zero_grad()
-        local = _to(make_batch(model_name, batch_seed(step, rank), LOCAL_BATCH), device)
-        loss = _global_mean(_forward_backward(model, local, 1))
-        ref_batch = _to(global_batch(cfg, lambda r, s=step: batch_seed(s, r), world), device)
-        ref_loss = _forward_backward(ref, ref_batch, 1)
-        close(f"step {step} loss", loss, ref_loss)
-        compare_grads(model, ref, step, close)
+        ref_batch = _to(global_batch(model_name, step, 0, world * LOCAL_BATCH), device)
+        loss = model(*rank_rows(ref_batch, rank, world))
+        loss.backward()
+        loss = mean_over_ranks(loss)
+        ref_loss = ref(*ref_batch)
+        ref_loss.backward()
+        close(f"step {step} loss", loss, ref_loss.detach(), margin=margin)
+        compare_grads(model, ref, f"step {step}", check_layout=True, margin=margin)
         optim.step()
         ref_optim.step()
         losses.append(loss.item())
-    compare_params_and_buffers(model, ref, "after training", _Comparer(FP32_RTOL, PARAM_ATOL))
+    compare_params(model, ref, "after training", check_layout=True)
+    compare_buffers(model, ref, "after training")
     moved = [not torch.equal(p0, p.detach()) for p0, p in zip(init, ref.parameters(), strict=True)]
     assert all(moved), "training left some parameter unchanged"
-    return {"losses": losses, "max_diff": close.max_diff}
+    return {"losses": losses, "max_diff": margin.max_diff}
 
 
 @pytest.mark.parametrize("world", _worlds())

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from tests.harness import run_on_ranks
-from tests.lockstep import Lockstep, close
 from tests.models import Batch
+from tests.parity import Lockstep, close
 
 pytestmark = pytest.mark.usefixtures("fsdp2_only")
 

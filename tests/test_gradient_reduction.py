@@ -1,6 +1,6 @@
 """Gradient reduction knobs: divide factor, forced sums, the all-reduce hook, the post-optimizer
 event, the reduce-scatter's input buffers. Trained next to the unsharded reference
-(`tests/lockstep.py`), whose gradients are scaled as each knob promises."""
+(`tests/parity/lockstep.py`), whose gradients are scaled as each knob promises."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tests.harness import run_on_ranks
-from tests.lockstep import Lockstep, fsdp_modules, shard_mlp
 from tests.models import MLP_DIM
+from tests.parity import Lockstep, fsdp_modules, shard_model
 
 # MLPStack's groups, in forward order: the root (its head), then one per block.
 GROUPS = ["", "blocks.0", "blocks.1", "blocks.2"]
@@ -21,7 +21,7 @@ NUM_STEPS = 3
 def _divide_factor(factor: float | None, how: str) -> list[str]:
     """Train with every module's gradients divided by ``factor`` (None: the default mean)."""
     t = Lockstep("mlp")
-    shard_mlp(t.model)
+    shard_model(t.model, "mlp")
     caught: list[str] = []
     for module in fsdp_modules(t.model):
         with warnings.catch_warnings(record=True) as ws:
@@ -70,7 +70,7 @@ def test_force_sum_reduction_for_comms_same_numbers(fsdp2_only: None) -> None:
 def _all_reduce_hook() -> list[list[int]]:
     """The root's hook doubles its reduced shard in place; the blocks keep plain means."""
     t = Lockstep("mlp")
-    shard_mlp(t.model)
+    shard_model(t.model, "mlp")
     calls: list[list[int]] = []
 
     def hook(reduced: torch.Tensor) -> None:
@@ -109,7 +109,7 @@ class _Event:
 
 def _post_optim_event() -> list[int]:
     t = Lockstep("mlp")
-    shard_mlp(t.model)
+    shard_model(t.model, "mlp")
     t.make_optimizers()
     events = []
     for step in range(NUM_STEPS):
@@ -130,7 +130,7 @@ def test_post_optim_event_waited_once_by_next_forward(fsdp2_only: None) -> None:
 
 def _max_input_buffers(num: int) -> None:
     t = Lockstep("mlp")
-    shard_mlp(t.model)
+    shard_model(t.model, "mlp")
     t.model.set_reduce_scatter_max_input_buffers(num)
     t.make_optimizers()
     for step in range(NUM_STEPS):

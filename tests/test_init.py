@@ -27,7 +27,6 @@ from tests.harness import IMPL_UNDER_TEST, fsdp_api, run_on_ranks
 from tests.models import GPT, GPT_SEQ, MLPStack, build_model, make_batch
 from tests.parity import (
     MODEL_SEED,
-    ParityConfig,
     adamw,
     check_sharded_layout,
     shard_model,
@@ -43,10 +42,10 @@ def _train(
     sharded: bool,
     input_dtype: torch.dtype | None = None,
 ) -> list[float]:
-    """``train_global_batches`` from a fresh AdamW, on this file's batch seeds."""
+    """``train_global_batches`` from a fresh AdamW."""
     optim = adamw(model.parameters())
     return train_global_batches(
-        name, model, optim, range(num_steps), seed=900, sharded=sharded, input_dtype=input_dtype
+        name, model, optim, range(num_steps), sharded=sharded, input_dtype=input_dtype
     )
 
 
@@ -221,7 +220,7 @@ def test_meta_init_of_one_big_group_stays_below_the_unsharded_size() -> None:
 def _meta_forward_error() -> str:
     with torch.device("meta"):
         model = MLPStack()
-    shard_model(model, ParityConfig(model="mlp", impl="fsdp2"))
+    shard_model(model, "mlp", "fsdp2")
     try:
         model(*make_batch("mlp", 0, 2))
     except RuntimeError as e:
@@ -254,7 +253,7 @@ class TestMetaForwardError(expecttest.TestCase):
 
 def _to_float64_trains_like_plain(name: str) -> None:
     model = build_model(name, MODEL_SEED)
-    shard_model(model, ParityConfig(model=name, impl=IMPL_UNDER_TEST))
+    shard_model(model, name, IMPL_UNDER_TEST)
     held = [id(p) for p in model.parameters()]
     model.to(torch.float64)
     assert [id(p) for p in model.parameters()] == held, "an optimizer may hold these objects"
@@ -283,7 +282,7 @@ def test_to_float64_keeps_sharding_and_parity(name: str, world_size: int) -> Non
 
 def _to_device_and_to_empty() -> None:
     model = build_model("gpt", MODEL_SEED)
-    shard_model(model, ParityConfig(model="gpt", impl=IMPL_UNDER_TEST))
+    shard_model(model, "gpt", IMPL_UNDER_TEST)
     before = {k: v.full_tensor() for k, v in model.named_parameters()}
     model.to("cpu")  # already there: nothing may change
     for key, param in model.named_parameters():

@@ -1,7 +1,7 @@
 """Meshes: HSDP, replicate-only (DDP semantics), ``shard_placement_fn`` and ``ignored_params``.
 
 Every layout trains an `MLPStack` (a group per block, then the root) side by side with an
-unsharded reference (`tests/dp_parity.py`) and pins the collectives each step issues: which kind,
+unsharded reference (`tests/parity/`) and pins the collectives each step issues: which kind,
 over how many ranks, and the bytes that show whether a gradient all-reduce moves a shard (HSDP)
 or whole parameters (replicate). Error messages are pinned in the test process on a 1-rank group
 (regenerate with ``EXPECTTEST_ACCEPT=1 python -m pytest tests/test_meshes.py``).
@@ -25,15 +25,6 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 import fsdp2
 from fsdp2 import DataParallelMeshDims
 from fsdp2.engine.collectives import record_collectives
-from tests.dp_parity import (
-    count,
-    full,
-    global_batch,
-    kinds,
-    local_batch,
-    same_on_all_ranks,
-    train_side_by_side,
-)
 from tests.errors import error_text, raised
 from tests.harness import (
     RemoteError,
@@ -43,19 +34,26 @@ from tests.harness import (
     run_on_ranks,
 )
 from tests.models import MODELS, MLPStack, build_model
-from tests.parity import ADAM_EPS, LR, WEIGHT_DECAY
+from tests.parity import (
+    ADAM_EPS,
+    LOCAL_BATCH,
+    LR,
+    MODEL_SEED,
+    WEIGHT_DECAY,
+    count,
+    full,
+    global_batch,
+    kinds,
+    local_batch,
+    same_on_all_ranks,
+    train_side_by_side,
+    twins,
+)
 from tests.tolerance import PARAM_ATOL, assert_fp32_close
 
-SEED = 1234
 MLP_BATCH = MODELS["mlp"].make_batch
 GROUPS = ["blocks.0", "blocks.1", "blocks.2", ""]  # one per fully_shard call, the root last
 NUM_MICRO = 3
-
-
-def mlp_pair() -> tuple[MLPStack, MLPStack]:
-    torch.manual_seed(SEED)
-    model = MLPStack()
-    return model, copy.deepcopy(model)
 
 
 def shard_mlp(
@@ -113,7 +111,7 @@ def mesh_2x2(names: tuple[str, str], unflattened: bool) -> DeviceMesh:
 def _hsdp(layout: str, knob: str | None) -> dict[str, Any]:
     names, dims = HSDP_LAYOUTS[layout]
     mesh = mesh_2x2(names, layout.endswith("_unflattened"))
-    model, ref = mlp_pair()
+    model, ref = twins(MLPStack)
     shard_mlp(model, mesh=mesh, dp_mesh_dims=dims)
     placements: list[Placement] = [Replicate(), Replicate()]
     placements[names.index("shard")] = Shard(0)
@@ -186,7 +184,7 @@ def test_hsdp_accumulation_defers_all_reduce(knob: str, num_reduce_scatters: int
 
 
 def _replicate(how: str) -> dict[str, Any]:
-    model, ref = mlp_pair()
+    model, ref = twins(MLPStack)
     if how == "replicate":
         shard_mlp(model, fsdp2.replicate)
     else:  # a named mesh whose only data-parallel dim replicates: DDP through either call
@@ -237,7 +235,7 @@ def test_replicate_parity_and_collectives(how: str, class_name: str) -> None:
 
 def _shard_dim(name: str, dim: int) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, ref = build_model(name, SEED), build_model(name, SEED)
+    model, ref = twins(name)
 
     def placement(p: nn.Parameter) -> Shard | None:
         # dim 1 where there is one (1-D parameters keep the default); a negative dim for all.
@@ -256,7 +254,7 @@ def _shard_dim(name: str, dim: int) -> dict[str, Any]:
         torch.testing.assert_close(p.to_local(), expected, rtol=0, atol=0)
         layouts[fqn] = tuple(p.to_local().shape)
     if name == "mlp":  # even sizes: torch's fully_shard takes them too and must agree
-        torch_model = build_model(name, SEED)
+        torch_model = build_model(name, MODEL_SEED)
         for unit in MODELS[name].shard_units(torch_model):
             fsdp_api("torch").fully_shard(unit, shard_placement_fn=placement)
         fsdp_api("torch").fully_shard(torch_model, shard_placement_fn=placement)
@@ -269,7 +267,7 @@ def _shard_dim(name: str, dim: int) -> dict[str, Any]:
     )
     make_batch = MODELS[name].make_batch
     train_side_by_side(model, ref, make_batch, dp_rank=rank, dp_size=world, optim=optim)
-    model(*local_batch(make_batch, 9, 0, rank)).backward()
+    model(*local_batch(make_batch, 9, 0, rank, world)).backward()
     for fqn, p in model.named_parameters():
         # Contiguous tensors of their true local shape, as torch's (a flat view must work).
         assert isinstance(p.grad, DTensor), fqn
@@ -297,8 +295,8 @@ def test_shard_placement_fn_parity(name: str, world_size: int, dim: int) -> None
 
 
 def _ignored() -> dict[str, Any]:
-    rank = dist.get_rank()
-    model, ref = mlp_pair()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, ref = twins(MLPStack)
     local_ref = copy.deepcopy(ref)
     ignored = model.blocks[0][0].weight
     data_ptr = ignored.data_ptr()
@@ -308,9 +306,9 @@ def _ignored() -> dict[str, Any]:
     assert model.blocks[0][0].weight is ignored and not isinstance(ignored, DTensor)
     assert ignored.data_ptr() == data_ptr
     with record_collectives() as records:
-        model(*local_batch(MLP_BATCH, 0, 0, rank)).backward()
-    ref(*global_batch(MLP_BATCH, 0, 0, dist.get_world_size())).backward()
-    local_ref(*local_batch(MLP_BATCH, 0, 0, rank)).backward()
+        model(*local_batch(MLP_BATCH, 0, 0, rank, world)).backward()
+    ref(*global_batch(MLP_BATCH, 0, 0, world * LOCAL_BATCH)).backward()
+    local_ref(*local_batch(MLP_BATCH, 0, 0, rank, world)).backward()
     for (name, p), ref_p, local_p in zip(
         model.named_parameters(), ref.parameters(), local_ref.parameters(), strict=True
     ):
@@ -498,18 +496,18 @@ def _rebuilt_group(impl: str) -> list[float]:
     parameters keep the mesh they were sharded over."""
     api = fsdp_api(impl)
     old = dist.new_group([0, 1])
-    first, _ = mlp_pair()
+    first, _ = twins(MLPStack)
     shard_mlp(
         first, api.fully_shard, mesh=DeviceMesh.from_group(old, "cpu", mesh_dim_names=("dp",))
     )
-    first(*local_batch(MLP_BATCH, 0, 0, dist.get_rank())).backward()
+    first(*local_batch(MLP_BATCH, 0, 0, dist.get_rank(), 2)).backward()
     del first
     dist.barrier(old)  # every rank done with it before it closes (gloo's sockets)
     dist.destroy_process_group(old)
 
     new = dist.new_group([0, 1])
     mesh = DeviceMesh.from_group(new, "cpu", mesh_dim_names=("dp",))
-    model, ref = mlp_pair()
+    model, ref = twins(MLPStack)
     shard_mlp(model, api.fully_shard, mesh=mesh)
     assert all(p.device_mesh is mesh for p in model.parameters())
     # The parity helper compares full_tensor()s of the gradients and parameters.
@@ -517,8 +515,8 @@ def _rebuilt_group(impl: str) -> list[float]:
     full_state = {k: full(v) for k, v in model.state_dict().items()}
     for k, v in ref.state_dict().items():
         assert_fp32_close(full_state[k], v, atol=PARAM_ATOL, msg=k)
-    model(*local_batch(MLP_BATCH, 3, 0, dist.get_rank())).backward()
-    ref(*global_batch(MLP_BATCH, 3, 0, 2)).backward()
+    model(*local_batch(MLP_BATCH, 3, 0, dist.get_rank(), 2)).backward()
+    ref(*global_batch(MLP_BATCH, 3, 0, 2 * LOCAL_BATCH)).backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # an all-reduce on the mesh
     assert_fp32_close(full(norm), torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9))
     return result.losses

@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from fsdp2 import CPUOffloadPolicy, MixedPrecisionPolicy
-from tests.dp_parity import BF16_TOL, FP32, Tolerance, close, count, full, train_side_by_side
 from tests.harness import fsdp_api, run_on_ranks
+from tests.parity import close, count, full, train_side_by_side
+from tests.tolerance import BF16_TOL, FP32, Tolerance
 
 SEED = 4321
 DIM, RANK = 7, 3  # 7 rows over 2 ranks: uneven chunks, odd byte sizes to align
@@ -174,7 +175,7 @@ def _torch_parity() -> None:
         torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
     for (name, p), tp in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
         # Equal up to where each rounds an average: AVG or SUM then divide.
-        close(name, full(p), full(tp), rtol=1e-6, atol=1e-7)
+        close(name, full(p), full(tp), Tolerance(rtol=1e-6, atol=1e-7))
         assert p.dtype == tp.dtype, name
 
 

@@ -4,7 +4,7 @@ computes the same way, and loss scaling for fp16 across ranks.
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` promises: sharded parameters,
 gradients and optimizer state stay fp32; the all-gather moves bf16 (half the bytes) and the
 modules compute in bf16; gradients are reduced in fp32. The reference keeps fp32 weights and runs
-its forward on bf16 casts of them (`tests.dp_parity.cast_forward`). Run on each rank's slice of
+its forward on bf16 casts of them (`tests.parity.cast_forward`). Run on each rank's slice of
 the batch separately, that is exactly the sharded arithmetic and the two agree bit for bit; run on
 the whole batch at once, they agree to bf16 rounding of the per-rank partial sums.
 """
@@ -23,19 +23,18 @@ from torch.distributed.device_mesh import init_device_mesh
 import fsdp2
 from fsdp2 import MixedPrecisionPolicy
 from fsdp2.engine.collectives import record_collectives
-from tests.dp_parity import (
-    BF16_TOL,
-    SAME_ARITHMETIC,
-    Tolerance,
-    cast_forward,
-    local_batch,
-    train_side_by_side,
-)
 from tests.harness import fsdp_api, run_on_ranks
 from tests.models import MODELS, Batch, MLPStack, build_model
-from tests.parity import padded_shard_numel
+from tests.parity import (
+    MODEL_SEED,
+    cast_forward,
+    local_batch,
+    padded_shard_numel,
+    train_side_by_side,
+    twins,
+)
+from tests.tolerance import BF16_TOL, SAME_ARITHMETIC, Tolerance
 
-SEED = 1234
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 DTYPES = {"bf16": BF16, "fp16": FP16, "fp32": FP32, None: None}
 
@@ -53,7 +52,7 @@ def shard_units(model: nn.Module, name: str, mp_policy: MixedPrecisionPolicy) ->
 
 def _dtypes(reduce_dtype: str | None) -> dict[str, Any]:
     world = dist.get_world_size()
-    model = build_model("mlp", SEED)
+    model = build_model("mlp", MODEL_SEED)
     mp = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=DTYPES[reduce_dtype])
     shard_units(model, "mlp", mp)
     seen: dict[str, set[Any]] = {
@@ -73,7 +72,9 @@ def _dtypes(reduce_dtype: str | None) -> dict[str, Any]:
             m.register_forward_hook(lambda m, a, out: seen["output"].add(out.dtype))
     optim = torch.optim.AdamW(model.parameters())
     with record_collectives() as records:
-        loss = model(*local_batch(MODELS["mlp"].make_batch, 0, 0, dist.get_rank()))
+        loss = model(
+            *local_batch(MODELS["mlp"].make_batch, 0, 0, dist.get_rank(), dist.get_world_size())
+        )
         loss.backward()
     seen["grad"] |= {(type(p.grad).__name__, p.grad.dtype) for p in model.parameters()}
     optim.step()
@@ -119,7 +120,7 @@ def test_dtype_of_every_tensor_in_every_phase(reduce_dtype: str | None) -> None:
 
 def _bf16_parity(name: str, reduce_dtype: str | None, sliced: bool) -> list[float]:
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, ref = build_model(name, SEED), build_model(name, SEED)
+    model, ref = twins(name)
     shard_units(
         model, name, MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=DTYPES[reduce_dtype])
     )
@@ -163,7 +164,7 @@ class _UnderAutocast(nn.Module):
 
 
 def _autocast_parity(name: str) -> None:
-    model, ref = build_model(name, SEED), build_model(name, SEED)
+    model, ref = twins(name)
     shard_units(model, name, MixedPrecisionPolicy())
     train_side_by_side(
         _UnderAutocast(model),
@@ -183,7 +184,7 @@ def test_autocast_around_an_fp32_sharded_model(name: str) -> None:
 def _loss_curve(num_steps: int) -> dict[str, list[float]]:
     """bf16 compute with fp32 reduction against plain fp32 training of the same model."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, ref = build_model("gpt", SEED), build_model("gpt", SEED)
+    model, ref = twins("gpt")
     shard_units(model, "gpt", MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32))
     loose = Tolerance(rtol=2e-2, atol=0.0, param_atol=5e-2)
     result = train_side_by_side(
@@ -253,7 +254,7 @@ class Recorder(nn.Module):
 
 
 def _policy(param_dtype: str | None, output_dtype: str | None, cast_inputs: bool) -> dict[str, Any]:
-    torch.manual_seed(SEED)
+    torch.manual_seed(MODEL_SEED)
     module = Recorder()
     mp = MixedPrecisionPolicy(
         param_dtype=DTYPES[param_dtype],
@@ -422,7 +423,7 @@ class ScalarFirst(nn.Module):
 
 
 def _build_scaled(kind: str) -> tuple[nn.Module, Callable[[int], Batch]]:
-    torch.manual_seed(SEED)
+    torch.manual_seed(MODEL_SEED)
     rank = dist.get_rank()
     fp16 = MixedPrecisionPolicy(param_dtype=FP16, reduce_dtype=FP32)
     if kind == "tp":  # TP on a (dp=2, tp=2) mesh: gradients on two meshes
@@ -435,10 +436,12 @@ def _build_scaled(kind: str) -> tuple[nn.Module, Callable[[int], Batch]]:
             fsdp2.fully_shard(block, mesh=mesh["dp"], mp_policy=fp16)
         fsdp2.fully_shard(model, mesh=mesh["dp"], mp_policy=fp16)
         dp_rank = mesh.get_local_rank("dp")
-        return model, lambda step: local_batch(make_batch, step, 0, dp_rank)
+        return model, lambda step: local_batch(make_batch, step, 0, dp_rank, 2)
     model = MLPStack() if kind == "mlp" else ScalarFirst()
     fsdp2.fully_shard(model, mp_policy=fp16)
-    return model, lambda step: local_batch(MODELS["mlp"].make_batch, step, 0, rank)
+    return model, lambda step: local_batch(
+        MODELS["mlp"].make_batch, step, 0, rank, dist.get_world_size()
+    )
 
 
 def _scaled_steps(kind: str, scaler_impl: str) -> list[tuple[float, bool]]:
@@ -471,11 +474,11 @@ EXPECTED_STEPS = [(2.0**10, True), (2.0**9, False), (2.0**9, True)]
 
 
 def _unscaled_vs_plain_backward() -> bool:
-    torch.manual_seed(SEED)
+    torch.manual_seed(MODEL_SEED)
     model = MLPStack()
     fsdp2.fully_shard(model)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    batch = local_batch(MODELS["mlp"].make_batch, 0, 0, dist.get_rank())
+    batch = local_batch(MODELS["mlp"].make_batch, 0, 0, dist.get_rank(), dist.get_world_size())
     model(*batch).backward()
     expected = [p.grad.to_local().clone() for p in model.parameters()]
     optim.zero_grad()

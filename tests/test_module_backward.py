@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from tests.harness import IMPL_UNDER_TEST, fsdp_api, run_on_ranks
-from tests.lockstep import Lockstep, close, fsdp_modules, mean_over_ranks
 from tests.models import Batch
+from tests.parity import Lockstep, close, fsdp_modules, mean_over_ranks
 
 DIM, RANK, NUM_BLOCKS, NUM_STEPS = 8, 2, 3, 3
 

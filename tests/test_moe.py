@@ -18,8 +18,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tests.harness import run_on_ranks
-from tests.lockstep import Lockstep, count
 from tests.models import Batch
+from tests.parity import Lockstep, count
 
 pytestmark = pytest.mark.usefixtures("fsdp2_only")
 

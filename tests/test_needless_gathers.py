@@ -8,7 +8,7 @@
   group is gathered once in backward, and every block reduce-scatters as soon as its backward
   is done, in torch's order, instead of all at once behind the first block's.
 
-Each run also trains next to the unsharded reference (`tests/lockstep.py`): gradients and
+Each run also trains next to the unsharded reference (`tests/parity/lockstep.py`): gradients and
 parameters must match.
 """
 
@@ -26,8 +26,8 @@ from torch.utils.checkpoint import checkpoint
 
 from fsdp2.engine import collectives
 from tests.harness import fsdp_api, run_on_ranks
-from tests.lockstep import CollectiveCounter, Lockstep
 from tests.models import Batch
+from tests.parity import CollectiveCounter, Lockstep
 
 pytestmark = pytest.mark.usefixtures("fsdp2_only")  # runs torch's fully_shard itself
 

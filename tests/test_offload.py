@@ -17,17 +17,15 @@ from torch.distributed.tensor import DTensor
 
 import fsdp2
 from fsdp2 import CPUOffloadPolicy, MixedPrecisionPolicy
-from tests.dp_parity import FP32, SAME_ARITHMETIC, cast_forward, kinds, train_side_by_side
 from tests.harness import run_on_ranks
-from tests.models import MODELS, build_model
-from tests.parity import adamw
-
-SEED = 1234
+from tests.models import MODELS
+from tests.parity import adamw, cast_forward, kinds, train_side_by_side, twins
+from tests.tolerance import FP32, SAME_ARITHMETIC
 
 
 def _offload(name: str, mesh_kind: str, precision: str, pin_memory: bool) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, ref = build_model(name, SEED), build_model(name, SEED)
+    model, ref = twins(name)
     kwargs: dict[str, Any] = {"offload_policy": CPUOffloadPolicy(pin_memory=pin_memory)}
     if mesh_kind == "hsdp":
         kwargs["mesh"] = init_device_mesh("cpu", (2, world // 2))

@@ -1,4 +1,4 @@
-"""Parity of sharded training with a single-process reference (see `tests/parity.py`)."""
+"""Parity of sharded training with a single-process reference (see `tests/parity/run.py`)."""
 
 from __future__ import annotations
 

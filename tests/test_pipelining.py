@@ -37,7 +37,7 @@ import fsdp2
 from fsdp2.engine.collectives import record_collectives
 from fsdp2.tools.swap import unpatch_torch_fsdp
 from tests.harness import IMPL_UNDER_TEST, run_on_ranks
-from tests.lockstep import CollectiveCounter
+from tests.parity import CollectiveCounter
 
 DIM, MICRO_BATCH, NUM_MICRO, NUM_STEPS = 8, 2, 4, 3
 SCHEDULES: dict[str, Any] = {

@@ -28,8 +28,8 @@ from torch.distributed.tensor import DTensor
 import fsdp2
 from tests.errors import raised
 from tests.harness import run_on_ranks
-from tests.models import MODELS, build_model, make_batch
-from tests.parity import MODEL_SEED, batch_seed
+from tests.models import MODELS, build_model
+from tests.parity import MODEL_SEED, local_batch
 
 pytestmark = pytest.mark.usefixtures("fsdp2_only")
 
@@ -130,7 +130,7 @@ def _real_step(
         group.guess_prefetch = prefetch
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     data = "mlp" if model_name in LOCAL_MODELS else model_name
-    batch = make_batch(data, batch_seed(0, dist.get_rank()), 2)
+    batch = local_batch(data, 0, 0, dist.get_rank(), dist.get_world_size(), 2)
     with record_collectives() as records:
         model(*batch).backward()
     opt.step()

@@ -19,8 +19,8 @@ import torch.nn as nn
 import fsdp2
 from tests.errors import raised
 from tests.harness import run_on_ranks
-from tests.models import MODELS, build_model, make_batch
-from tests.parity import MODEL_SEED, batch_seed
+from tests.models import MODELS, build_model
+from tests.parity import MODEL_SEED, local_batch
 from tests.test_plan import _records, shard_blocks
 
 pytestmark = pytest.mark.usefixtures("fsdp2_only")
@@ -41,7 +41,7 @@ def _plan_then_train(plan_first: bool) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(3):
-        loss = model(*make_batch("mlp", batch_seed(step, dist.get_rank()), 2))
+        loss = model(*local_batch("mlp", step, 0, dist.get_rank(), dist.get_world_size(), 2))
         loss.backward()
         opt.step()
         opt.zero_grad()

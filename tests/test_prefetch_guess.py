@@ -10,7 +10,7 @@ from typing import Any
 import torch.nn as nn
 
 from tests.harness import run_on_ranks
-from tests.lockstep import Lockstep, fsdp_modules, shard_mlp
+from tests.parity import Lockstep, fsdp_modules, shard_model
 
 NUM_STEPS = 3
 
@@ -19,7 +19,7 @@ def _guessed(skip_block_in_last_step: bool) -> list[dict[str, Any]]:
     from fsdp2.engine.collectives import record_collectives
 
     t = Lockstep("mlp")
-    shard_mlp(t.model)
+    shard_model(t.model, "mlp")
     for module in fsdp_modules(t.model):
         for group in module._get_fsdp_state().groups:
             group.guess_prefetch = True

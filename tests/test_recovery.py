@@ -2,7 +2,7 @@
 ``reset_iter_state()`` on the root, then training goes on as if the step never happened.
 
 The sharded model trains in lockstep with a reference that skips the failed step (see
-`tests/lockstep.py`). The failure is planted in the middle of block 1, between its two linear
+`tests/parity/lockstep.py`). The failure is planted in the middle of block 1, between its two linear
 layers, so at the moment it fires some groups have reduce-scatters in flight or reduced shards
 waiting, one group has half of its unsharded gradients, and (in forward) a prefetched gather is
 pending. None of it may survive the reset: torch 2.13 leaves the failed step's gradients on the
@@ -23,8 +23,8 @@ from torch.distributed.tensor import DTensor
 
 from tests.errors import TRIPWIRE, Tripwire
 from tests.harness import IMPL_UNDER_TEST, run_on_ranks
-from tests.lockstep import Lockstep, close, count, full
 from tests.models import MLP_DIM, MLP_IN, MLP_OUT, Batch
+from tests.parity import Lockstep, close, count, full
 
 NUM_STEPS, FAIL_STEP = 4, 2
 

@@ -1,12 +1,12 @@
 """``reshard_after_forward=k``: after forward each rank keeps the parameters of k ranks, so
-backward gathers within k ranks. Trained next to the unsharded reference (`tests/lockstep.py`)."""
+backward gathers within k ranks. Trained next to the unsharded reference (`tests/parity/lockstep.py`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from tests.harness import run_on_ranks
-from tests.lockstep import Lockstep, shard_mlp
+from tests.parity import Lockstep, shard_model
 
 # MLPStack's groups, in forward order: the root (its head), then one per block.
 GROUPS = ["", "blocks.0", "blocks.1", "blocks.2"]
@@ -22,7 +22,7 @@ def _reshard_after_forward_int(k: int, shard_dim: int | None = None) -> list[dic
     kwargs: dict[str, Any] = {"reshard_after_forward": k}
     if shard_dim is not None:
         kwargs["shard_placement_fn"] = lambda p: Shard(shard_dim) if p.ndim > 1 else None
-    shard_mlp(t.model, **kwargs)
+    shard_model(t.model, "mlp", **kwargs)
     t.make_optimizers()
     steps = []
     for step in range(NUM_STEPS):

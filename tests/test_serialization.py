@@ -29,27 +29,28 @@ from torch.distributed.tensor import DTensor
 from tests.harness import IMPL_UNDER_TEST, run_on_ranks
 from tests.models import build_model
 from tests.parity import (
+    GLOBAL_BATCH,
     MODEL_SEED,
-    ParityConfig,
     adamw,
+    global_batch,
     padded_shard_numel,
+    rank_rows,
     shard_model,
     train_global_batches,
 )
 from tests.tolerance import assert_fp32_close
 
-SEED = 900  # batch seeds of this file
 BEFORE, AFTER = range(2), range(2, 5)  # steps before a save, steps resumed after it
 
 
 def _sharded(name: str, seed: int) -> nn.Module:
     model = build_model(name, seed)
-    shard_model(model, ParityConfig(model=name, impl=IMPL_UNDER_TEST))
+    shard_model(model, name, IMPL_UNDER_TEST)
     return model
 
 
 def _train(name: str, model: nn.Module, optim: torch.optim.Optimizer, steps: range) -> list[float]:
-    return train_global_batches(name, model, optim, steps, seed=SEED, sharded=True)
+    return train_global_batches(name, model, optim, steps, sharded=True)
 
 
 def _data_bytes(obj: Any) -> int:
@@ -114,7 +115,7 @@ def test_torch_save_per_rank_then_resume(name: str, world_size: int, tmp_path: A
     plain = build_model(name, MODEL_SEED)
     optim = adamw(plain.parameters())
     steps = range(AFTER.stop)
-    expected = train_global_batches(name, plain, optim, steps, seed=SEED, sharded=False)
+    expected = train_global_batches(name, plain, optim, steps, sharded=False)
     assert_fp32_close(losses, expected)
 
 
@@ -193,11 +194,8 @@ def _pickled_shards_reassemble(name: str) -> None:
 
 
 def _batch(name: str) -> tuple[torch.Tensor, ...]:
-    from tests.models import make_batch
-
-    rows = 8 // dist.get_world_size()
-    rank = dist.get_rank()
-    return tuple(t[rank * rows : (rank + 1) * rows] for t in make_batch(name, SEED, 8))
+    batch = global_batch(name, 0, 0, GLOBAL_BATCH)
+    return rank_rows(batch, dist.get_rank(), dist.get_world_size())
 
 
 def _check_ties(model: nn.Module) -> None:

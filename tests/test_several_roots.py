@@ -20,9 +20,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from tests.dp_parity import global_batch, local_batch, mean_over_ranks
 from tests.harness import IMPL_UNDER_TEST, RemoteError, fsdp_api, run_on_ranks
 from tests.models import Batch
+from tests.parity import LOCAL_BATCH, global_batch, local_batch, mean_over_ranks
 from tests.tolerance import FP32_ATOL, FP32_RTOL
 
 STEPS = 3
@@ -43,8 +43,8 @@ def _batch(step: int, dims: tuple[int, ...], sharded: bool) -> Batch:
         return tuple(torch.randn(rows, d, generator=gen) for d in dims)
 
     if sharded:
-        return local_batch(make, step, 0, dist.get_rank())
-    return global_batch(make, step, 0, dist.get_world_size())
+        return local_batch(make, step, 0, dist.get_rank(), dist.get_world_size())
+    return global_batch(make, step, 0, dist.get_world_size() * LOCAL_BATCH)
 
 
 def _gan(models: Callable[..., nn.Module], sharded: bool) -> list[torch.Tensor]:

@@ -1,7 +1,7 @@
 """State users change after ``fully_shard``: ``requires_grad``, the parameters themselves, hooks
 on them, their dtype. Each change made between iterations must count from the next forward, so
 the sharded model keeps training exactly like a plain model changed the same way (parity on the
-same global batch, as in ``tests/parity.py``): a frozen weight never trains, an unfrozen one does,
+same global batch, as in ``tests/parity/``): a frozen weight never trains, an unfrozen one does,
 an assigned parameter is the one trained, an optimizer stepped in a post-accumulate-grad hook
 steps once per backward, and a cast model trains on in its new dtype.
 """
@@ -21,23 +21,24 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from tests import test_mixed_dtypes as mixed
-from tests.dp_parity import train_side_by_side
 from tests.errors import error_text
 from tests.harness import IMPL_UNDER_TEST, fsdp_api, run_on_ranks
 from tests.models import MLP_DIM, MLP_IN, MLP_OUT, build_model, make_batch
 from tests.parity import (
     GLOBAL_BATCH,
     MODEL_SEED,
-    ParityConfig,
-    _Comparer,
     adamw,
+    close,
+    compare_buffers,
     compare_grads,
-    compare_params_and_buffers,
+    compare_params,
+    global_batch,
+    rank_rows,
     shard_model,
+    train_side_by_side,
+    twins,
 )
-
-# fp32 sums of 8 rows split over ranks vs in one matmul: rounding-level differences (parity.py).
-RTOL, ATOL, PARAM_ATOL = 1e-5, 1e-6, 1e-5
+from tests.tolerance import FP32, FP32_ATOL, FP32_RTOL, SGD_FP32, Tolerance
 
 impls = pytest.mark.parametrize(
     "impl", sorted({IMPL_UNDER_TEST, "torch"}), ids=lambda impl: f"impl={impl}"
@@ -48,7 +49,7 @@ def _step(
     model: nn.Module,
     ref: nn.Module,
     step: int,
-    close: _Comparer,
+    tol: Tolerance,
     after_forward: Callable[[nn.Module], None] = lambda m: None,
     input_dtype: torch.dtype | None = None,
 ) -> None:
@@ -56,11 +57,10 @@ def _step(
     and every gradient (a missing or extra one included), before any optimizer step.
     ``after_forward`` changes each model between its forward and its backward."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    batch = make_batch("mlp", 500 + step, GLOBAL_BATCH)
+    batch = global_batch("mlp", step, 0, GLOBAL_BATCH)
     if input_dtype is not None:
         batch = tuple(t.to(input_dtype) for t in batch)
-    rows = GLOBAL_BATCH // world
-    loss = model(*(t[rank * rows : (rank + 1) * rows] for t in batch))
+    loss = model(*rank_rows(batch, rank, world))
     after_forward(model)
     loss.backward()
     loss = loss.detach().clone()
@@ -68,8 +68,15 @@ def _step(
     ref_loss = ref(*batch)
     after_forward(ref)
     ref_loss.backward()
-    close(f"step {step} loss", loss / world, ref_loss.detach())
-    compare_grads(model, ref, step, close)
+    close(f"step {step} loss", loss / world, ref_loss.detach(), tol)
+    compare_grads(model, ref, f"step {step}", tol, check_layout=True)
+
+
+def _compare_params_and_buffers(
+    model: nn.Module, ref: nn.Module, what: str, tol: Tolerance
+) -> None:
+    compare_params(model, ref, what, tol, check_layout=True)
+    compare_buffers(model, ref, what)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -98,12 +105,8 @@ def _set_requires_grad(model: nn.Module, changes: dict[str, bool]) -> None:
 
 
 def _requires_grad_schedule(impl: str, reshard_after_forward: bool | None) -> None:
-    model = build_model("frozen", MODEL_SEED)
-    ref = build_model("frozen", MODEL_SEED)
-    shard_model(
-        model, ParityConfig(model="frozen", impl=impl, reshard_after_forward=reshard_after_forward)
-    )
-    close = _Comparer(RTOL, ATOL)
+    model, ref = twins("frozen")
+    shard_model(model, "frozen", impl, reshard_after_forward=reshard_after_forward)
     optim, ref_optim = adamw(model.parameters()), adamw(ref.parameters())
     for step in range(8):
         when, changes = SCHEDULE.get(step, ("", {}))
@@ -111,12 +114,12 @@ def _requires_grad_schedule(impl: str, reshard_after_forward: bool | None) -> No
         if when == "before":
             change(model)
             change(ref)
-        _step(model, ref, step, close, after_forward=change if when == "after" else lambda m: None)
+        _step(model, ref, step, FP32, after_forward=change if when == "after" else lambda m: None)
         for opt in (optim, ref_optim):
             opt.step()
             opt.zero_grad()
         # Every step, not only at the end: a frozen weight that moved once would show here.
-        compare_params_and_buffers(model, ref, f"after step {step}", _Comparer(RTOL, PARAM_ATOL))
+        _compare_params_and_buffers(model, ref, f"after step {step}", FP32)
     for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
         assert p.requires_grad == r.requires_grad, name
 
@@ -187,8 +190,8 @@ def _optimizer_in_backward(impl: str, accumulate: bool) -> dict[str, int]:
     """torchtune's optimizer-in-backward loop: one optimizer per parameter, stepped (and its
     gradient dropped) in the parameter's post-accumulate-grad hook; against a plain model with
     one optimizer stepped after backward."""
-    model, ref = build_model("mlp", MODEL_SEED), build_model("mlp", MODEL_SEED)
-    shard_model(model, ParityConfig(model="mlp", impl=impl))
+    model, ref = twins("mlp")
+    shard_model(model, "mlp", impl)
     optims = {p: adamw([p]) for p in model.parameters()}
     calls: collections.Counter[str] = collections.Counter()
     names = {id(p): n for n, p in model.named_parameters()}
@@ -202,28 +205,26 @@ def _optimizer_in_backward(impl: str, accumulate: bool) -> dict[str, int]:
     for param in model.parameters():
         param.register_post_accumulate_grad_hook(step_in_backward)
     ref_optim = adamw(ref.parameters())
-    close = _Comparer(RTOL, ATOL)
     for step in range(4):
         if accumulate:  # a micro-step without gradient sync: nothing reduced, no hook runs
             before = dict(calls)
             model.set_requires_gradient_sync(False)
-            _step_without_grads(model, ref, 100 + step, close)
+            _step_without_grads(model, ref, 100 + step)
             assert dict(calls) == before, "a hook ran without a reduced gradient"
             model.set_requires_gradient_sync(True)
-        _step_without_grads(model, ref, step, close)
+        _step_without_grads(model, ref, step)
         assert all(p.grad is None for p in model.parameters()), "hooks ran zero_grad"
         ref_optim.step()
         ref_optim.zero_grad()
-        compare_params_and_buffers(model, ref, f"after step {step}", _Comparer(RTOL, PARAM_ATOL))
+        _compare_params_and_buffers(model, ref, f"after step {step}", FP32)
     return dict(calls)
 
 
-def _step_without_grads(model: nn.Module, ref: nn.Module, step: int, close: _Comparer) -> None:
+def _step_without_grads(model: nn.Module, ref: nn.Module, step: int) -> None:
     """``_step`` when the sharded gradients were consumed in backward: compare the losses."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    batch = make_batch("mlp", 500 + step, GLOBAL_BATCH)
-    rows = GLOBAL_BATCH // world
-    loss = model(*(t[rank * rows : (rank + 1) * rows] for t in batch))
+    batch = global_batch("mlp", step, 0, GLOBAL_BATCH)
+    loss = model(*rank_rows(batch, rank, world))
     loss.backward()
     loss = loss.detach().clone()
     dist.all_reduce(loss)
@@ -289,11 +290,11 @@ def _assign(model: nn.Module, ref: nn.Module, name: str, full: torch.Tensor, gra
     setattr(ref.get_submodule(module_name), attr, nn.Parameter(full.clone(), requires_grad=grad))
 
 
-def _train(model: nn.Module, ref: nn.Module, steps: range, close: _Comparer) -> None:
+def _train(model: nn.Module, ref: nn.Module, steps: range, tol: Tolerance = FP32) -> None:
     """``_step`` and an AdamW step, from a fresh optimizer on each model."""
     optims = (adamw(model.parameters()), adamw(ref.parameters()))
     for step in steps:
-        _step(model, ref, step, close)
+        _step(model, ref, step, tol)
         for optim in optims:
             optim.step()
             optim.zero_grad()
@@ -307,22 +308,21 @@ def _swap(model: nn.Module, a: str, b: str) -> None:
 def _replaced_parameters(impl: str, after_training: bool) -> None:
     model, ref = _chain(impl)
     gen = torch.Generator().manual_seed(7)
-    close, close_params = _Comparer(RTOL, ATOL), _Comparer(RTOL, PARAM_ATOL)
     # Before the first forward (torch takes these up at lazy init): new values in both groups,
     # a new frozen parameter, and two weights of one group swapped.
     _assign(model, ref, "layers.0.weight", torch.randn(MLP_DIM, MLP_IN, generator=gen), True)
     _assign(model, ref, "layers.6.bias", torch.randn(MLP_OUT, generator=gen), False)
     for m in (model, ref):
         _swap(m, "layers.2", "layers.4")
-    _train(model, ref, range(3), close)
+    _train(model, ref, range(3))
     if after_training:  # fsdp2 only: torch ignores these (its modules keep the old ones)
         _assign(model, ref, "layers.4.weight", torch.randn(MLP_DIM, MLP_DIM, generator=gen), True)
         _assign(model, ref, "layers.0.bias", torch.randn(MLP_DIM, generator=gen), True)
         for m in (model, ref):
             _swap(m, "layers.2", "layers.4")
         # As with a plain model, the old optimizer holds the replaced objects: make a new one.
-        _train(model, ref, range(3, 6), close)
-    compare_params_and_buffers(model, ref, "after training", close_params)
+        _train(model, ref, range(3, 6))
+    _compare_params_and_buffers(model, ref, "after training", FP32)
     assert ref.layers[6].bias.grad is None and model.layers[6].bias.grad is None
 
 
@@ -400,24 +400,24 @@ CASTS: dict[str, tuple[Callable[[nn.Module], object], torch.dtype, float]] = {
 
 def _cast_after_training(impl: str, cast: str) -> None:
     apply, dtype, unit = CASTS[cast]
-    rtol, atol = max(10 * unit, RTOL), max(unit, ATOL)
-    model, ref = build_model("mlp", MODEL_SEED), build_model("mlp", MODEL_SEED)
-    shard_model(model, ParityConfig(model="mlp", impl=impl))
-    _train(model, ref, range(2), _Comparer(RTOL, ATOL))  # gathered and reduced in float32 first
+    atol = max(unit, FP32_ATOL)
+    low = Tolerance(rtol=max(10 * unit, FP32_RTOL), atol=atol, param_atol=atol)
+    model, ref = twins("mlp")
+    shard_model(model, "mlp", impl)
+    _train(model, ref, range(2))  # gathered and reduced in float32 first
     for m in (model, ref):
         apply(m)
     for name, param in model.named_parameters():
         assert param.dtype == dtype and isinstance(param, DTensor), name
-    close = _Comparer(rtol, atol)
     sgds = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref)]
     for step in range(2, 5):
-        _step(model, ref, step, close, input_dtype=dtype)
+        _step(model, ref, step, low, input_dtype=dtype)
         for name, param in model.named_parameters():
             assert param.grad is not None and param.grad.dtype == dtype, name
         for sgd in sgds:
             sgd.step()
             sgd.zero_grad()
-        compare_params_and_buffers(model, ref, f"after step {step}", _Comparer(rtol, atol))
+        _compare_params_and_buffers(model, ref, f"after step {step}", low)
 
 
 @pytest.mark.parametrize("cast", list(CASTS))
@@ -514,10 +514,7 @@ def _convert_partly(name: str) -> None:
     build, make_batch_of, convert, when = CONVERSIONS[name]
     api = fsdp_api("fsdp2")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(MODEL_SEED)
-    model = build()
-    torch.manual_seed(MODEL_SEED)
-    ref = build()
+    model, ref = twins(build)
     if when == "before":
         model, ref = convert(model), convert(ref)
     for block in model.blocks:
@@ -526,28 +523,26 @@ def _convert_partly(name: str) -> None:
     # Built before the conversion: it must still step the parameters the model computes with.
     sgds = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
     params = list(model.parameters())
-    close = _Comparer(RTOL, ATOL)
     for step in range(4):
         if step == 1 and when == "after":
             assert convert(model) is model and convert(ref) is ref
             assert list(model.parameters()) == params, "the optimizer's parameters were replaced"
-        gen = torch.Generator().manual_seed(700 + step)
-        x, y = make_batch_of(gen, GLOBAL_BATCH)
+        x, y = global_batch(make_batch_of, step, 0, GLOBAL_BATCH)
         if "channels_last" in name:
             x = x.to(memory_format=torch.channels_last)
-        rows = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
-        loss = model(x[rows], y[rows])
+        loss = model(*rank_rows((x, y), rank, world))
         loss.backward()
         loss = loss.detach().clone()
         dist.all_reduce(loss)
         ref_loss = ref(x, y)
         ref_loss.backward()
         close(f"step {step} loss", loss / world, ref_loss.detach())
-        assert compare_grads(model, ref, step, close) == sum(p.requires_grad for p in params)
+        num_grads = compare_grads(model, ref, f"step {step}", check_layout=True)
+        assert num_grads == sum(p.requires_grad for p in params)
         for sgd in sgds:
             sgd.step()
             sgd.zero_grad()
-        compare_params_and_buffers(model, ref, f"after step {step}", close)
+        _compare_params_and_buffers(model, ref, f"after step {step}", SGD_FP32)
     for pname, param in model.named_parameters():
         # fsdp2 keeps shards contiguous, whatever layout the parameter had.
         assert isinstance(param, DTensor) and param.to_local().is_contiguous(), pname
@@ -673,12 +668,11 @@ def _replaced_parameters_traced(compiled: bool) -> None:
     if compiled:
         model.compile(backend="aot_eager")
     gen = torch.Generator().manual_seed(7)
-    close, close_params = _Comparer(RTOL, ATOL), _Comparer(RTOL, PARAM_ATOL)
-    _train(model, ref, range(2), close)
+    _train(model, ref, range(2))
     _assign(model, ref, "layers.0.weight", torch.randn(MLP_DIM, MLP_IN, generator=gen), True)
     _assign(model, ref, "layers.4.weight", torch.randn(MLP_DIM, MLP_DIM, generator=gen), True)
-    _train(model, ref, range(2, 4), close)
-    compare_params_and_buffers(model, ref, "after training", close_params)
+    _train(model, ref, range(2, 4))
+    _compare_params_and_buffers(model, ref, "after training", FP32)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])

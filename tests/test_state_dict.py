@@ -26,7 +26,6 @@ from tests.harness import IMPL_UNDER_TEST, fsdp_api, run_on_ranks
 from tests.models import build_model
 from tests.parity import (
     MODEL_SEED,
-    ParityConfig,
     adamw,
     check_sharded_layout,
     shard_model,
@@ -36,7 +35,7 @@ from tests.tolerance import PARAM_ATOL, assert_fp32_close
 
 
 def _shard(name: str, model: nn.Module) -> nn.Module:
-    shard_model(model, ParityConfig(model=name, impl=IMPL_UNDER_TEST))
+    shard_model(model, name, IMPL_UNDER_TEST)
     return model
 
 
@@ -52,9 +51,9 @@ def _unshard_all(model: nn.Module) -> None:
 
 
 def _train(name: str, model: nn.Module, num_steps: int, sharded: bool) -> list[float]:
-    """``train_global_batches`` from a fresh AdamW, on this file's batch seeds."""
+    """``train_global_batches`` from a fresh AdamW."""
     optim = adamw(model.parameters())
-    return train_global_batches(name, model, optim, range(num_steps), seed=500, sharded=sharded)
+    return train_global_batches(name, model, optim, range(num_steps), sharded=sharded)
 
 
 # ---------------------------------------------------------------------------------------------

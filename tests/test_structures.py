@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch.utils._pytree import register_pytree_node
 
 from tests.harness import fsdp_api, run_on_ranks
-from tests.lockstep import Lockstep
 from tests.models import Batch
+from tests.parity import Lockstep
 
 DIM, NUM_BLOCKS, NUM_STEPS = 8, 2, 3
 

@@ -33,11 +33,11 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import fsdp2
 from fsdp2 import DataParallelMeshDims, MixedPrecisionPolicy
-from tests.dp_parity import BF16_TOL, Tolerance, cast_forward, full, train_side_by_side
 from tests.errors import raised
 from tests.harness import fsdp_api, init_local_process_group, run_on_ranks
 from tests.models import Batch
-from tests.tolerance import assert_fp32_close
+from tests.parity import cast_forward, full, train_side_by_side
+from tests.tolerance import BF16_TOL, Tolerance, assert_fp32_close
 
 VOCAB, SEQ, DIM, HEAD_DIM, NUM_BLOCKS = 32, 8, 16, 4, 2
 SEED = 4321

@@ -1,4 +1,4 @@
-"""The library under the real launcher: ``torchrun`` runs `tests/parity.py` on 2 processes.
+"""The library under the real launcher: ``torchrun`` runs `tests/parity/__main__.py` on 2 processes.
 
 Few and slow on purpose (each starts 3 fresh Python processes); the harness-based tests cover
 the rest. A parity failure must surface as a non-zero exit, or these tests could not fail.
@@ -15,7 +15,7 @@ import pytest
 from tests.harness import IMPL_UNDER_TEST, launch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-PARITY_SCRIPT = REPO_ROOT / "tests" / "parity.py"
+PARITY_SCRIPT = REPO_ROOT / "tests" / "parity" / "__main__.py"
 NPROC = 2
 TIMEOUT_S = 180
 

@@ -24,10 +24,11 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdp2.engine.mesh import MeshInfo
 from fsdp2.engine.param import FSDPParam
-from tests.dp_parity import Tolerance, full, train_side_by_side
 from tests.errors import raised
 from tests.harness import fsdp_api, init_local_process_group, run_on_ranks
 from tests.models import Batch
+from tests.parity import full, train_side_by_side
+from tests.tolerance import Tolerance
 
 IN, HIDDEN = 9, 27  # HIDDEN over tp=2: pieces of 14 and 13 rows, neither divisible by dp=2
 # Row-wise layers add partial sums over the tp ranks: a different order than one matmul.

@@ -1,5 +1,5 @@
 """Explicit ``unshard()`` / ``reshard()`` and ``set_unshard_in_backward``: trained next to the
-unsharded reference (`tests/lockstep.py`), with the all-gathers each step issues pinned."""
+unsharded reference (`tests/parity/lockstep.py`), with the all-gathers each step issues pinned."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from tests.harness import fsdp_api, run_on_ranks
-from tests.lockstep import Lockstep, backward_counts, labels, shard_mlp
 from tests.models import MLP_IN, MLP_OUT, Batch
+from tests.parity import Lockstep, backward_counts, labels, shard_model
 from tests.tolerance import PARAM_ATOL, assert_fp32_close
 
 NUM_STEPS = 3
@@ -25,7 +25,7 @@ def _explicit_unshard() -> list[dict[str, Any]]:
     from fsdp2.engine.collectives import record_collectives
 
     t = Lockstep("mlp")
-    shard_mlp(t.model)
+    shard_model(t.model, "mlp")
     t.make_optimizers()
     block, ref_block = t.model.blocks[1], t.ref.blocks[1]
     t.forward_backward(0)  # lazy init through the root's forward first, as torch requires

@@ -1,6 +1,6 @@
 """``set_reduce_scatter_unused_params``: ranks route to different experts, so each rank leaves
 some parameters unused; every rank must still reduce-scatter the same tensors. Counted with
-`tests.lockstep.CollectiveCounter`, for fsdp2 and for torch's own ``fully_shard``."""
+`tests.parity.CollectiveCounter`, for fsdp2 and for torch's own ``fully_shard``."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tests.harness import fsdp_api, run_on_ranks
-from tests.lockstep import Lockstep, backward_counts
 from tests.models import MLP_DIM, MLP_IN, MLP_OUT, Batch
+from tests.parity import Lockstep, backward_counts
 
 NUM_STEPS = 3
 NUM_EXPERTS = 2

@@ -122,7 +122,7 @@ def main() -> None:
         with torch.no_grad():  # only rank 0's weights may reach the sharded model
             for param in model.parameters():
                 param.fill_(float("nan"))
-    # eps as in tests/parity.py: bounds how far Adam amplifies rounding noise in ~0 gradients.
+    # eps as in tests/parity/build.py: bounds how far Adam amplifies rounding noise in ~0 gradients.
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, eps=1e-5)
     model, optimizer = accelerator.prepare(model, optimizer)
     if not accelerator.is_fsdp2:

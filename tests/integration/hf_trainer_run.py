@@ -121,7 +121,7 @@ def main() -> None:
         learning_rate=LR,
         lr_scheduler_type="constant",
         weight_decay=0.1,
-        adam_epsilon=1e-5,  # as in tests/parity.py: bounds Adam's amplification of rounding
+        adam_epsilon=1e-5,  # as in tests/parity/build.py: bounds Adam's amplification of rounding
         max_grad_norm=1.0,
         logging_steps=1,
         save_strategy="no",

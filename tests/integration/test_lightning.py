@@ -34,7 +34,7 @@ SCRIPT = Path(__file__).resolve().parent / "lightning_run.py"
 TIMEOUT_S = 180
 STEPS = 5  # 3 in the first fit, the checkpoint, 2 more after resuming from it
 # Parameters after 3 AdamW steps: a rounding-level gradient difference moves an element by up to
-# lr * (grad difference) / eps; eps=1e-5 (as in tests/parity.py) keeps that at rounding level.
+# lr * (grad difference) / eps; eps=1e-5 (as in tests/parity/build.py) keeps that at rounding level.
 PARAM_TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 

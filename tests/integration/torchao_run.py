@@ -135,7 +135,7 @@ def main() -> None:
         fully_shard(block)
     fully_shard(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    # eps as in tests/parity.py: bounds how far Adam amplifies rounding noise in ~0 gradients.
+    # eps as in tests/parity/build.py: bounds how far Adam amplifies rounding noise in ~0 gradients.
     optimizer = torch.optim.AdamW(trainable, lr=LR, weight_decay=0.1, eps=1e-5)
 
     def say(line: str) -> None:
