@@ -12,40 +12,20 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.utils._pytree as pytree
 
 from tests.harness import run_on_ranks
 from tests.tolerance import PARAM_ATOL, assert_fp32_close
+from tests.wrapper_tensor import WrapperTensor
 
 aten = torch.ops.aten
 STEPS = 3
 
 
-class NarrowWeight(torch.Tensor):
+class NarrowWeight(WrapperTensor):
     """A wrapper subclass over ``_data`` gathered as bf16 through the one-argument pre hook, and
     as narrow as torchao's NF4 (<= 0.13): ``aten.slice`` only of the whole tensor, ``view`` only
     flat (``view(-1)``; not ``DTensor.from_local``'s ``view_as``), no ``_to_copy``
     (``.to(copy=True)``)."""
-
-    _data: torch.Tensor
-
-    @staticmethod
-    def __new__(cls, data: torch.Tensor) -> NarrowWeight:
-        return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined,no-any-return]
-            cls, data.shape, dtype=data.dtype, device=data.device, strides=data.stride()
-        )
-
-    def __init__(self, data: torch.Tensor) -> None:
-        self._data = data
-
-    def __tensor_flatten__(self) -> tuple[list[str], None]:
-        return ["_data"], None
-
-    @staticmethod
-    def __tensor_unflatten__(
-        inner: dict[str, torch.Tensor], meta: None, size: Any, stride: Any
-    ) -> NarrowWeight:
-        return NarrowWeight(inner["_data"])
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -55,12 +35,7 @@ class NarrowWeight(torch.Tensor):
             dim, start, end = (*args[1:4], 0, 0, None)[:3] if len(args) < 4 else args[1:4]
             if start or (end is not None and end < args[0].shape[dim]):
                 raise NotImplementedError(f"aten.slice(NarrowWeight) with {args[1:]}")
-
-        def unwrap(t: Any) -> Any:
-            return t._data if isinstance(t, cls) else t
-
-        out = func(*pytree.tree_map(unwrap, args), **pytree.tree_map(unwrap, kwargs or {}))
-        return pytree.tree_map_only(torch.Tensor, cls, out)
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
     def fsdp_pre_all_gather(self, mesh: Any) -> tuple[tuple[torch.Tensor], None]:
         mesh.get_group()  # as NF4's hook does: torch hands it the 1-D mesh of the shard dim

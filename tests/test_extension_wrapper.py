@@ -9,45 +9,17 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.utils._pytree as pytree
 
 from tests.harness import run_on_ranks
 from tests.tolerance import PARAM_ATOL, assert_fp32_close
+from tests.wrapper_tensor import WrapperTensor
 
 STEPS = 3
 
 
-class PaddedBF16Weight(torch.Tensor):
+class PaddedBF16Weight(WrapperTensor):
     """A wrapper subclass over ``_data`` whose gather sends bf16 and pads its own inputs to the
     chunk every rank sends (from ``outer_size``), as torch's extension tests do."""
-
-    _data: torch.Tensor
-
-    @staticmethod
-    def __new__(cls, data: torch.Tensor) -> PaddedBF16Weight:
-        return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined,no-any-return]
-            cls, data.shape, dtype=data.dtype, device=data.device, strides=data.stride()
-        )
-
-    def __init__(self, data: torch.Tensor) -> None:
-        self._data = data
-
-    def __tensor_flatten__(self) -> tuple[list[str], None]:
-        return ["_data"], None
-
-    @staticmethod
-    def __tensor_unflatten__(
-        inner: dict[str, torch.Tensor], meta: None, size: Any, stride: Any
-    ) -> PaddedBF16Weight:
-        return PaddedBF16Weight(inner["_data"])
-
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        def unwrap(t: Any) -> Any:
-            return t._data if isinstance(t, cls) else t
-
-        out = func(*pytree.tree_map(unwrap, args), **pytree.tree_map(unwrap, kwargs or {}))
-        return pytree.tree_map_only(torch.Tensor, cls, out)
 
     def fsdp_pre_all_gather(
         self, mesh: Any, outer_size: torch.Size, outer_stride: Any, module: Any, mp: Any
