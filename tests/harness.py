@@ -388,12 +388,21 @@ def init_local_process_group() -> None:
     )
 
 
+def launch_command(
+    script: str | os.PathLike[str], world_size: int, *args: str
+) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment that run ``script`` as a user would: ``python`` for one
+    rank, ``torchrun`` for more; one intra-op thread per rank (2 cores), and this checkout's
+    fsdp2 first on the path of the rank processes."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}"]
+    cmd = [sys.executable, *(launcher if world_size > 1 else []), str(script), *args]
+    path = os.pathsep.join(p for p in (str(_REPO), os.environ.get("PYTHONPATH")) if p)
+    return cmd, {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+
+
 def launch(
     script: str | os.PathLike[str], world_size: int, *args: str, timeout: float
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``script`` as a user would, from the repository root: ``python`` for one rank,
-    ``torchrun`` for more; one intra-op thread per rank (2 cores), output captured."""
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}"]
-    cmd = [sys.executable, *(launcher if world_size > 1 else []), str(script), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(_REPO)}
+    """`launch_command`, run from the repository root to its end, output captured."""
+    cmd, env = launch_command(script, world_size, *args)
     return subprocess.run(cmd, cwd=_REPO, env=env, capture_output=True, text=True, timeout=timeout)

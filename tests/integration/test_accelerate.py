@@ -14,17 +14,15 @@ abort a rank after the script finished.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.integration.torchrun_pair import collect
+from tests.integration.torchrun_pair import collect, launch_pair
 
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
@@ -33,7 +31,6 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 pytestmark = pytest.mark.slow
 
 SCRIPT = Path(__file__).resolve().parent / "accelerate_run.py"
-REPO_ROOT = SCRIPT.parents[2]
 TIMEOUT_S = 240
 STEPS = 4
 VARIANTS = {
@@ -43,7 +40,7 @@ VARIANTS = {
 # fp32 with the same reductions in a possibly different order (a ~1e5-element model, 4 steps).
 LOSS_TOL = {"rtol": 1e-5, "atol": 1e-6}
 # Parameters after 4 AdamW steps: a rounding-level gradient difference moves an element by up to
-# lr * (grad difference) / eps; eps=1e-5 (as in tests/parity.py) keeps that below ~1e-5.
+# lr * (grad difference) / eps; eps=1e-5 (as in tests/parity/build.py) keeps that below ~1e-5.
 PARAM_TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
@@ -64,27 +61,7 @@ class Run:
 
 def launch(impl: str, args: list[str], out: Path) -> subprocess.Popen[str]:
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        str(SCRIPT),
-        "--impl",
-        impl,
-        "--steps",
-        str(STEPS),
-        "--out",
-        str(out),
-        *args,
-    ]
-    # PYTHONPATH: the rank processes import this checkout's fsdp2.
-    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-    return subprocess.Popen(
-        cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    return launch_pair(SCRIPT, ["--impl", impl, "--steps", str(STEPS), "--out", str(out), *args])
 
 
 def finish(impl: str, proc: subprocess.Popen[str], out: Path) -> Run:

@@ -16,10 +16,8 @@ the uninterrupted run's arithmetic exactly, so it must match bitwise.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -33,12 +31,12 @@ pytest.importorskip("datasets", reason="needs the integration extra (datasets)")
 
 import torch
 
+from tests.harness import launch_command
 from tests.integration.assets import make_assets
 
 pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 STEPS = 4
 RUN_TIMEOUT_S = 420
 RTOL = 1e-5
@@ -82,17 +80,10 @@ def titan_run(impl: str, world: int, assets: Path, dump: Path, **options: object
     key = (impl, world, str(dump), tuple(sorted(options.items())))
     if key in _runs:
         return _runs[key]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": "1",
-    }
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={world}", str(HERE / "titan_train.py"),
-        impl, str(assets), str(dump), f"steps={STEPS}",
+    cmd, env = launch_command(
+        HERE / "titan_train.py", world, impl, str(assets), str(dump), f"steps={STEPS}",
         *(f"{k}={v}" for k, v in options.items()),
-    ]  # fmt: skip
+    )  # fmt: skip
     start = time.perf_counter()
     out = _launch(cmd, env, dump.parent)
     if "\nDONE" not in out:

@@ -5,15 +5,15 @@ not its exit code: gloo on torch 2.13 may abort a rank after the script finished
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.harness import launch_command
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 IMPLS = ("torch", "fsdp2")
@@ -48,17 +48,15 @@ def run_both(
         if out is not None:
             (out / impl).mkdir(parents=True, exist_ok=True)
             extra = ["--out", str(out / impl)]
-        procs[impl] = _launch(script, ["--impl", impl, *args, *extra])
+        procs[impl] = launch_pair(script, ["--impl", impl, *args, *extra])
     return {impl: _finish(impl, proc, timeout_s, keys) for impl, proc in procs.items()}
 
 
-def _launch(script: Path, args: list[str]) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    # PYTHONPATH: the rank processes import this checkout's fsdp2.
-    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+def launch_pair(script: Path, args: list[str]) -> subprocess.Popen[str]:
+    """``script *args`` under ``torchrun`` on 2 ranks, started in the background."""
+    cmd, env = launch_command(script, 2, *args)
     return subprocess.Popen(
-        [*cmd, str(script), *args],
+        cmd,
         cwd=REPO_ROOT,
         env=env,
         # Separate pipes: a rank's warning on stderr can land inside a line that rank 0 prints
