@@ -310,11 +310,7 @@ def _jvp(reshard_after_forward: bool) -> None:
     ref_out, ref_tout = torch.func.jvp(t.ref.features, (x,), (tangent,))
     close("jvp primal", out, ref_out)
     close("jvp tangent", tout, ref_tout)
-    for step in range(2):
-        t.forward_backward(step)
-        t.check_grads(f"step {step}")
-        t.optim_step()
-    t.check_params("after training")
+    t.train(2)
 
 
 def fsdp_shard(sharded: torch.Tensor, full_tensor: torch.Tensor) -> torch.Tensor:

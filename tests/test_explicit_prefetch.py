@@ -20,13 +20,7 @@ def _explicit_prefetch() -> list[dict[str, list[str]]]:
     blocks[2].set_modules_to_backward_prefetch([blocks[0]])
     steps = []
     for step in range(NUM_STEPS):
-        with record_collectives() as forward:
-            loss = t.model(*t.local(step))
-        with record_collectives() as backward:
-            loss.backward()
-        t.reference_step(loss, step)
-        t.check_grads(f"step {step}")
-        t.optim_step()
+        forward, backward = t.counted_step(step, record_collectives)
         steps.append(
             {"forward": labels(forward, "all_gather"), "backward": labels(backward, "all_gather")}
         )

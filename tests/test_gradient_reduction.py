@@ -133,11 +133,7 @@ def _max_input_buffers(num: int) -> None:
     shard_model(t.model, "mlp")
     t.model.set_reduce_scatter_max_input_buffers(num)
     t.make_optimizers()
-    for step in range(NUM_STEPS):
-        t.forward_backward(step)
-        t.check_grads(f"step {step}")
-        t.optim_step()
-    t.check_params("after training")
+    t.train(NUM_STEPS)
 
 
 @pytest.mark.parametrize("num", [2, 8])

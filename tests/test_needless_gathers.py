@@ -73,14 +73,8 @@ def _counted_steps(impl: str, reentrant: bool, reshard_after_forward: bool) -> l
     t.make_optimizers()
     counts = []
     for step in range(NUM_STEPS):
-        with CollectiveCounter() as forward:
-            loss = t.model(*t.local(step))
-        with CollectiveCounter() as backward:
-            loss.backward()
+        forward, backward = t.counted_step(step, CollectiveCounter)
         counts.append((dict(forward.counts), dict(backward.counts)))
-        t.reference_step(loss, step)
-        t.check_grads(f"step {step}")
-        t.optim_step()
     t.check_params("after training")
     return counts
 

@@ -26,13 +26,7 @@ def _reshard_after_forward_int(k: int, shard_dim: int | None = None) -> list[dic
     t.make_optimizers()
     steps = []
     for step in range(NUM_STEPS):
-        with record_collectives() as forward:
-            loss = t.model(*t.local(step))
-        with record_collectives() as backward:
-            loss.backward()
-        t.reference_step(loss, step)
-        t.check_grads(f"step {step}")
-        t.optim_step()
+        forward, backward = t.counted_step(step, record_collectives)
         steps.append(
             {
                 phase: sorted((r.kind, r.label, r.world_size, r.input_nbytes) for r in records)

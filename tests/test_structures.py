@@ -166,11 +166,7 @@ def _train(kind: str, impl: str) -> None:
         fully_shard(block, reshard_after_forward=True)
     fully_shard(t.model)
     t.make_optimizers()
-    for step in range(NUM_STEPS):
-        t.forward_backward(step)
-        t.check_grads(f"step {step}")
-        t.optim_step()
-    t.check_params("after training")
+    t.train(NUM_STEPS)
 
 
 @pytest.mark.parametrize("kind", KINDS)

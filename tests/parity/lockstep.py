@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,8 @@ from tests.parity.build import (
 )
 from tests.parity.compare import close, compare_grads, compare_params, mean_over_ranks
 from tests.tolerance import FP32, SAME_ARITHMETIC, SGD_FP32, Tolerance
+
+T = TypeVar("T")
 
 
 class Lockstep:
@@ -103,6 +106,29 @@ class Lockstep:
         self.ref_optim.step()
         self.optim.zero_grad()
         self.ref_optim.zero_grad()
+
+    def train(self, num_steps: int) -> None:
+        """``num_steps`` checked steps (the loss, every gradient), then the parameters."""
+        for step in range(num_steps):
+            self.forward_backward(step)
+            self.check_grads(f"step {step}")
+            self.optim_step()
+        self.check_params("after training")
+
+    def counted_step(
+        self, step: int, counter: Callable[[], AbstractContextManager[T]]
+    ) -> tuple[T, T]:
+        """One checked step whose forward and whose backward each run under a fresh
+        ``counter()`` (`record_collectives`, `CollectiveCounter`); returns the two counts. The
+        reference's step (a collective) runs outside both."""
+        with counter() as forward:
+            loss = self.model(*self.local(step))
+        with counter() as backward:
+            loss.backward()
+        self.reference_step(loss, step)
+        self.check_grads(f"step {step}")
+        self.optim_step()
+        return forward, backward
 
     # -- checks -----------------------------------------------------------------------------------
 
@@ -222,15 +248,7 @@ def labels(records: Iterable[CollectiveRecord], kind: str) -> list[str]:
 def backward_counts(t: Lockstep, num_steps: int, kind: str) -> list[int]:
     """Train ``num_steps`` checked lockstep steps; the ``kind`` collectives (`CollectiveCounter`'s
     names) of each backward."""
-    counts = []
-    for step in range(num_steps):
-        loss = t.model(*t.local(step))
-        with CollectiveCounter() as counter:
-            loss.backward()
-        counts.append(counter.counts[kind])
-        t.reference_step(loss, step)
-        t.check_grads(f"step {step}")
-        t.optim_step()
+    counts = [t.counted_step(step, CollectiveCounter)[1].counts[kind] for step in range(num_steps)]
     t.check_params("after training")
     return counts
 

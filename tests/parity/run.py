@@ -84,14 +84,9 @@ def _corrupt_last_rank(tensor: torch.Tensor) -> None:
             tensor.to_local().view(-1)[0] += 1e-3
 
 
-def run_parity(cfg: ParityConfig) -> dict[str, Any]:
-    """Train the sharded model and the reference side by side; raise on any mismatch."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    spec = MODELS[cfg.model]
-    if cfg.local_batch_size % cfg.num_microbatches:
-        raise ValueError(f"local_batch_size must divide by num_microbatches: {cfg}")
+def _sharded_twins(cfg: ParityConfig) -> tuple[nn.Module, nn.Module]:
+    """The pair, the model sharded; checks that sharding kept the names and the values."""
     model, ref = twins(cfg.model)
-    init_params = [p.detach().clone() for p in ref.parameters()]
     names = [n for n, _ in model.named_parameters()]
     kwargs = {}
     if cfg.reshard_after_forward is not None:
@@ -99,10 +94,21 @@ def run_parity(cfg: ParityConfig) -> dict[str, Any]:
     shard_model(model, cfg.model, cfg.impl, **kwargs)
     if [n for n, _ in model.named_parameters()] != names:
         raise AssertionError(f"fully_shard changed parameter names: {names}")
-    grad_margin, param_margin = Margin(), Margin()
     # Sharding copies the values: bitwise.
     compare_params(model, ref, "after fully_shard", SAME_ARITHMETIC, check_layout=True)
     compare_buffers(model, ref, "after fully_shard")
+    return model, ref
+
+
+def run_parity(cfg: ParityConfig) -> dict[str, Any]:
+    """Train the sharded model and the reference side by side; raise on any mismatch."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    spec = MODELS[cfg.model]
+    if cfg.local_batch_size % cfg.num_microbatches:
+        raise ValueError(f"local_batch_size must divide by num_microbatches: {cfg}")
+    model, ref = _sharded_twins(cfg)
+    init_params = [p.detach().clone() for p in ref.parameters()]
+    grad_margin, param_margin = Margin(), Margin()
 
     def batches(step: int, micro: int = 0) -> tuple[Batch, Batch]:
         """This rank's batch and the reference's."""
