@@ -140,7 +140,7 @@ def pack(group: FSDPParamGroup, plain: torch.Tensor) -> tuple[torch.Tensor, Pack
 def unpack(group: FSDPParamGroup, gathered: torch.Tensor, packing: Packing) -> torch.Tensor:
     """Rebuild every extension parameter from ``gathered`` (rank-major bytes); return the
     plain parameters' part as a ``(world, bytes)`` view for the usual copy-out."""
-    world = group.world
+    world = group.shard_size
     rows = gathered.view(world, -1)
     if group.unsharded_flat is None:
         raise AssertionError(

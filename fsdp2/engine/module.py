@@ -263,7 +263,7 @@ class FSDPModule:
         made: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for group in self._groups(recurse):
             shard_group = group.info.shard_group
-            if not enable or shard_group is None or group.world == 1:  # nothing to scatter
+            if not enable or shard_group is None or group.shard_size == 1:  # nothing to scatter
                 group.reduce_scatter_group = None
             else:
                 ranks = tuple(dist.get_process_group_ranks(shard_group))

@@ -92,7 +92,7 @@ class FSDPParamGroup(GradientReduction):
     ) -> None:
         self.info = info
         self.label = label
-        self.world = info.shard_size
+        self.shard_size = info.shard_size
         self.state = ShardedState.SHARDED
         # Plain parameters first (trainable, then frozen), extension parameters last: the plain
         # prefix of the flat shard is what a byte-packed gather sends as is.
@@ -116,12 +116,13 @@ class FSDPParamGroup(GradientReduction):
         uneven = [
             p.fqn
             for p in self.ext_params
-            if (p.dim or p.outer_spec is not None) and any(n % self.world for n in p.piece_sizes())
+            if (p.dim or p.outer_spec is not None)
+            and any(n % self.shard_size for n in p.piece_sizes())
         ]
         if uneven:
             raise NotImplementedError(
                 f"{', '.join(uneven)}: all-gather extension parameters sharded on a dim other "
-                f"than 0, or tensor parallel, must split evenly over the {self.world} shard "
+                f"than 0, or tensor parallel, must split evenly over the {self.shard_size} shard "
                 "ranks (every rank's inputs the same size); make that size divisible, or "
                 "shard dim 0"
             )
@@ -172,7 +173,7 @@ class FSDPParamGroup(GradientReduction):
         """Allocate the flat buffers on ``storage_device`` and point every parameter into them.
         ``fulls`` are the full parameters to shard; ``None`` re-packs the current sharded
         parameters (after ``module.to(...)`` or ``to_empty`` replaced them)."""
-        world = self.world
+        world = self.shard_size
         pin = self.offload is not None and self.offload.pin_memory and self.device.type != "cpu"
         # 1-D, this rank's padded chunk of every parameter; zeros so padding is deterministic.
         flat = torch.zeros(self.shard_numel, dtype=self.dtype, device=storage_device)
@@ -206,7 +207,7 @@ class FSDPParamGroup(GradientReduction):
 
     def _make_unsharded_views(self) -> None:
         """Allocate the unsharded buffer and make the plain parameters' unsharded views of it."""
-        world = self.world
+        world = self.shard_size
         if self.unsharded_flat is None:
             # 1-D, param-major, every plain parameter padded to world * chunk.
             self.unsharded_flat = torch.empty(
@@ -371,14 +372,14 @@ class FSDPParamGroup(GradientReduction):
             group = self.info.shard_group
             if self.ext_params:
                 source, packing = extension.pack(self, source)
-        if self.world == 1:  # nothing to gather, only the cast, copy or packing above
+        if self.shard_size == 1:  # nothing to gather, only the cast, copy or packing above
             self._gather = (Pending(None), source, packing, False)
             return
         if group is None:
             raise AssertionError(
                 f"unshard '{self.label}': expected a process group to gather over, found None"
             )
-        # group.size(), not self.world: a k-rank gather (reshard_after_forward=k) sends W/k
+        # group.size(), not self.shard_size: a k-rank gather (reshard_after_forward=k) sends W/k
         # chunks per rank, and the output still holds all W chunks once.
         out_numel = group.size() * source.numel()
         comm = self.custom_all_gather
@@ -425,7 +426,7 @@ class FSDPParamGroup(GradientReduction):
                     sizes = [c * flat.element_size() for c in self._chunk_sizes]
                     targets = [view.view(torch.uint8) for view in self._copy_out]
                 else:
-                    rows = out.view(self.world, self.plain_numel)
+                    rows = out.view(self.shard_size, self.plain_numel)
                     sizes, targets = self._chunk_sizes, self._copy_out
                 if out is not self.unsharded_flat and targets:
                     self._copy_rows(rows, sizes, targets)

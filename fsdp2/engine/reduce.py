@@ -173,7 +173,7 @@ class GradientReduction:
 
     info: MeshInfo
     label: str
-    world: int
+    shard_size: int
     fsdp_params: list[FSDPParam]
     trainable: list[FSDPParam]
     sharded_flat: torch.Tensor
@@ -275,7 +275,7 @@ class GradientReduction:
         replicated = self.info.replicate_group is not None
         has = [self._has_grad(p) for p in self.trainable]  # on this rank
         used = None  # per parameter, when the chunk carries flags
-        if self.world > 1 or replicated:  # see [Note: gradients on some ranks only]
+        if self.shard_size > 1 or replicated:  # see [Note: gradients on some ranks only]
             params = self.trainable
             deferring = replicated and (
                 not self.requires_all_reduce or self._replica_partial is not None
@@ -293,7 +293,7 @@ class GradientReduction:
             return None
         grads = [self._take_grad(p) for p in params]
         use_sum = self.divide_factor is not None or self.force_sum_reduction
-        if self.world == 1 and self.info.replicate_group is None and not use_sum:
+        if self.shard_size == 1 and self.info.replicate_group is None and not use_sum:
             if self.all_reduce_hook is None:
                 return PendingReduce(self, Pending(None), None, params, grads, use_sum)
         if self.mixed or any(g.dtype != grads[0].dtype for g in grads):
@@ -302,21 +302,21 @@ class GradientReduction:
             grads = [g.to(self.reduce_dtype) for g in grads]
         if used is not None:  # one flag per parameter at the end of every rank's chunk
             one, zero = grads[0].new_ones(1), grads[0].new_zeros(1)
-            grads.extend((one if u else zero).expand(self.world) for u in used)
-        if self.world == 1:
+            grads.extend((one if u else zero).expand(self.shard_size) for u in used)
+        if self.shard_size == 1:
             out = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0]
             out = out.reshape(-1).to(self.reduce_dtype)
             return PendingReduce(self, Pending(None), out, params, None, use_sum, used=used)
         numel = sum(p.chunk_numel for p in params) + (len(used) if used is not None else 0)
         comm = self.custom_reduce_scatter
-        size, dtype, device = (self.world, numel), self.reduce_dtype, self.device
+        size, dtype, device = (self.shard_size, numel), self.reduce_dtype, self.device
         if comm is not None:
             inp = comm.allocate(size, dtype=dtype, device=device)
             out = comm.allocate((numel,), dtype=dtype, device=device)
         else:
             inp = torch.empty(size, dtype=dtype, device=device)
             out = inp.new_empty(numel)
-        torch._chunk_cat(grads, dim=0, num_chunks=self.world, out=inp)  # casts to reduce_dtype
+        torch._chunk_cat(grads, dim=0, num_chunks=self.shard_size, out=inp)  # casts to reduce_dtype
         grads.clear()  # copied: free them before the collective allocates its own buffers
         op = dist.ReduceOp.SUM if use_sum else dist.ReduceOp.AVG
         group = self.reduce_scatter_group or self.info.shard_group
@@ -363,8 +363,8 @@ class GradientReduction:
             grad = torch.zeros(fsdp_param.shape, dtype=self.param_dtype, device=self.device)
         # A scalar is replicated: every rank's chunk carries it, so each gets the reduced value.
         if grad.dim() == 0:
-            return grad.reshape(1).expand(self.world)
-        return fsdp_param.rank_major(grad, self.world)
+            return grad.reshape(1).expand(self.shard_size)
+        return fsdp_param.rank_major(grad, self.shard_size)
 
     def finish_communicates(self) -> bool:
         """Whether ``finish_reduce`` may issue collectives (HSDP's all-reduce, the user's hook)."""

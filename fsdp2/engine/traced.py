@@ -155,10 +155,10 @@ def _gather(group: FSDPParamGroup, *shards: torch.Tensor) -> list[torch.Tensor]:
         raise AssertionError(f"traced gather of '{group.label}' needs a shard group")
     replicate_group = group.info.replicate_group  # HSDP: all-reduce over replicas after
     replicas = replicate_group.group_name if replicate_group is not None else None
-    factor = group.divide_factor or float(group.world * group.info.replicate_size)
+    factor = group.divide_factor or float(group.shard_size * group.info.replicate_size)
     gathered = _GatherShards.apply(  # type: ignore[no-untyped-call]
         flat,
-        group.world,
+        group.shard_size,
         shard_group.group_name,
         replicas,
         factor,
@@ -166,7 +166,7 @@ def _gather(group: FSDPParamGroup, *shards: torch.Tensor) -> list[torch.Tensor]:
         group.reduce_dtype,
     )
     chunks = [p.chunk_numel for p in group.fsdp_params]
-    columns = gathered.view(group.world, group.shard_numel).split(chunks, dim=1)
+    columns = gathered.view(group.shard_size, group.shard_numel).split(chunks, dim=1)
     fulls = []
     for fsdp_param, column in zip(group.fsdp_params, columns, strict=True):
         if not fsdp_param.shape:  # replicated: every rank sent the same value

@@ -86,7 +86,7 @@ def _reached_in_backward(model: nn.Module, states: list[FSDPState]) -> list[bool
 
 
 def _facts(group: FSDPParamGroup, label: str, is_root: bool, reshard: bool) -> GroupFacts:
-    world = group.world
+    world = group.shard_size
     replicas = group.info.replicate_size if group.info.replicate_group is not None else 0
     unit = group.sharded_flat.element_size()  # 1 for a mixed-dtype group's byte buffers
     gather_unit = 1 if group.mixed else group.param_dtype.itemsize
