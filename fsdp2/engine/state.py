@@ -20,7 +20,7 @@ see docs/accelerators.md). On CPU meshes neither direction guesses: compute and 
 same cores, so a prefetched gather overlaps nothing (forward: 784 vs 958 ms per step, GPT at 2
 ranks; backward: 49.1 vs 48.9 ms) while its buffer raised peak memory by 2 MiB of 19 (the same
 model). ``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch`` replace the
-guess everywhere; ``FSDPParamGroup.guess_prefetch`` overrides the choice by device.
+guess everywhere; ``GroupSettings.guess_prefetch`` overrides the choice by device.
 """
 
 from __future__ import annotations
@@ -38,10 +38,11 @@ from torch.autograd import Variable
 
 from fsdp2.engine.agreement import check_materialized
 from fsdp2.engine.changes import take_up_changes
+from fsdp2.engine.grads import Reduced, hand_over
 from fsdp2.engine.inputs import InputHooks
 from fsdp2.engine.param_group import FSDPParamGroup
 from fsdp2.engine.policies import MixedPrecisionPolicy, cast_floats
-from fsdp2.engine.reduce import PendingReduce, Reduced, hand_over
+from fsdp2.engine.reduce import PendingReduce
 from fsdp2.engine.tree import map_tensors, tensors_in
 
 __all__ = ["FSDPState", "IterContext", "TrainingState"]
