@@ -211,7 +211,8 @@ def _at_reduce_scatter() -> list[dict[str, Any]]:
         g.reducer.reduce_scatter = spy_reduce_scatter
     model(*make_batch("mlp", batch_seed(0, dist.get_rank()), 4)).backward()
     # Our gather outputs are freed once copied out, whoever else still references them.
-    seen.append({"gather_outputs_left": sum(t.untyped_storage().nbytes() for t in gathered)})
+    left = sum(t.untyped_storage().nbytes() for t in gathered)
+    seen.append({"gathers": len(gathered) > 0, "gather_outputs_left": left})
     return seen
 
 
@@ -226,4 +227,4 @@ def test_reduce_scatter_issued_after_parameters_and_gradients_are_freed() -> Non
         for s in issued:
             assert s["unsharded_nbytes"] == 0, f"rank {rank}: {s}"
             assert s["grads_left"] == 0, f"rank {rank}: {s}"
-        assert tail == {"gather_outputs_left": 0}, f"rank {rank}"
+        assert tail == {"gathers": True, "gather_outputs_left": 0}, f"rank {rank}"

@@ -128,9 +128,10 @@ class FSDPParamGroup:
     def _enter(self, state: ShardedState) -> None:
         """The one place ``state`` changes: raise if ``state`` may not follow the current one."""
         if self.state not in _ENTERED_FROM[state]:
+            allowed = ", ".join(sorted(s.name for s in _ENTERED_FROM[state]))
             raise AssertionError(
-                f"fsdp2 group {self.label!r}: expected a state {state.name} may be entered from "
-                f"({', '.join(sorted(s.name for s in _ENTERED_FROM[state]))}), found {self.state.name}"
+                f"fsdp2 group {self.label!r}: illegal transition {self.state.name} -> "
+                f"{state.name}; expected to leave one of {allowed}"
             )
         self.state = state
 
