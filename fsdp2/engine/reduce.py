@@ -58,11 +58,20 @@ __all__ = ["GradientReducer", "PendingReduce"]
 class PendingReduce:
     """A reduce-scatter in flight; ``finish()`` waits and returns each parameter's reduced shard."""
 
-    __slots__ = ("free_input", "group", "keep_alive", "out", "params", "pending", "use_sum", "used")
+    __slots__ = (
+        "free_input",
+        "keep_alive",
+        "out",
+        "params",
+        "pending",
+        "reducer",
+        "use_sum",
+        "used",
+    )
 
     def __init__(
         self,
-        group: GradientReducer,
+        reducer: GradientReducer,
         pending: Pending,
         out: torch.Tensor | None,
         params: list[FSDPParam],
@@ -71,7 +80,7 @@ class PendingReduce:
         free_input: bool = False,
         used: list[bool] | None = None,
     ) -> None:
-        self.group = group
+        self.reducer = reducer
         self.pending = pending
         self.out = out  # 1-D, this rank's reduced chunk of every parameter in ``params``
         self.params = params
@@ -91,17 +100,17 @@ class PendingReduce:
         happens to be done, would pair up with a different collective on its peers."""
         if not self.pending.done():
             return False
-        return self.out is None or not self.group.finish_communicates()
+        return self.out is None or not self.reducer.finish_communicates()
 
     def finish(self) -> list[Reduced]:
         self.pending.wait()
         if self.out is None:  # one rank, nothing to reduce: the gradients are the shards
             grads, self.keep_alive = self.keep_alive, None
-            return self.group.own_shards(self.params, cast("list[torch.Tensor]", grads))
+            return self.reducer.own_shards(self.params, cast("list[torch.Tensor]", grads))
         if self.free_input:
             cast(torch.Tensor, self.keep_alive).untyped_storage().resize_(0)
         self.keep_alive = None
-        return self.group.finish_reduce(self.out, self.params, self.use_sum, self.used)
+        return self.reducer.finish_reduce(self.out, self.params, self.use_sum, self.used)
 
 
 class GradientReducer:
