@@ -255,10 +255,10 @@ def _resolve_reshard_after_forward(
         for start in range(0, world, value):
             pg = dist.new_group(row[start : start + value])
             if dist.get_rank() in row[start : start + value] and group is not None:
-                group.partial_group = pg
+                group.settings.k_group = pg
     if group is not None:
         block = info.shard_rank % value
-        group.partial_rows = (block * world // value, (block + 1) * world // value)
+        group.settings.k_rows = (block * world // value, (block + 1) * world // value)
     return True
 
 

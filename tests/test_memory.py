@@ -1,7 +1,7 @@
 """What is allocated and registered when: fsdp2 frees unsharded parameters as promised.
 
 fsdp2-only: reads fsdp2 internals (`FSDPState.group`, `FSDPParamGroup.state`,
-`FSDPParamGroup.unsharded_nbytes()`, `FSDPParam.sharded_param`); torch's names differ.
+`FlatLayout.unsharded_nbytes()`, `FSDPParam.sharded_param`); torch's names differ.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def _snapshot(module: nn.Module, registered: list[torch.Tensor]) -> dict[str, An
     group = _group(module)
     return {
         "state": group.state.name,
-        "unsharded_nbytes": group.unsharded_nbytes(),
+        "unsharded_nbytes": group.layout.unsharded_nbytes(),
         "all_dtensor": all(isinstance(p, DTensor) for p in registered),
         "none_dtensor": not any(isinstance(p, DTensor) for p in registered),
         # Registered objects are exactly the sharded parameters the optimizer holds.
@@ -78,7 +78,7 @@ def _lifecycle(world_size_check: int) -> dict[str, Any]:
                     "weight_shape": tuple(linear.weight.shape),
                     "states": [_group(b).state.name for b in blocks],
                     "root_state": _group(model).state.name,
-                    "unsharded_nbytes": _group(blocks[index]).unsharded_nbytes(),
+                    "unsharded_nbytes": _group(blocks[index]).layout.unsharded_nbytes(),
                 }
             )
 
@@ -157,7 +157,7 @@ def _sharded_numels(name: str) -> dict[str, Any]:
         "local": sum(p.to_local().numel() for p in model.parameters()),  # type: ignore[attr-defined]
         "padded": padded,
         # Every shard element fsdp2 allocates, padding included (one flat buffer per group).
-        "allocated": sum(g.shard_numel for g in _groups(model)),
+        "allocated": sum(g.layout.shard_numel for g in _groups(model)),
     }
 
 
@@ -180,17 +180,14 @@ def test_sharded_storage_is_one_over_world_size(model: str, world_size: int) -> 
 
 def _at_reduce_scatter() -> list[dict[str, Any]]:
     """What each group still holds at the moment its reduce-scatter is issued."""
-    import fsdp2.engine.param_group as param_group_module
-    import fsdp2.engine.reduce as reduce_module
     from fsdp2 import fully_shard
+    from fsdp2.engine.collectives import all_gather, reduce_scatter
 
     model = build_model("mlp", MODEL_SEED)
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
     seen: list[dict[str, Any]] = []
-    issue = reduce_module.reduce_scatter
-    gather = param_group_module.all_gather
     gathered: list[torch.Tensor] = []
 
     def spy_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Any, label: str, *a: Any):  # type: ignore[no-untyped-def]
@@ -198,25 +195,24 @@ def _at_reduce_scatter() -> list[dict[str, Any]]:
         seen.append(
             {
                 "label": label,
-                "unsharded_nbytes": g.unsharded_nbytes(),
+                "unsharded_nbytes": g.layout.unsharded_nbytes(),
                 "grads_left": sum(p.unsharded_param.grad is not None for p in g.fsdp_params),
             }
         )
-        return issue(out, inp, group, label, *a)
+        return reduce_scatter(out, inp, group, label, *a)
 
     def spy_all_gather(out: torch.Tensor, *a: Any, **k: Any):  # type: ignore[no-untyped-def]
         gathered.append(out)
-        return gather(out, *a, **k)
+        return all_gather(out, *a, **k)
 
-    reduce_module.reduce_scatter = spy_reduce_scatter
-    param_group_module.all_gather = spy_all_gather
-    try:
-        model(*make_batch("mlp", batch_seed(0, dist.get_rank()), 4)).backward()
-    finally:
-        reduce_module.reduce_scatter = issue
-        param_group_module.all_gather = gather
+    # Each group's own collective seam (FSDPParamGroup.all_gather, GradientReducer.reduce_scatter).
+    for g in _groups(model):
+        g.all_gather = spy_all_gather
+        g.reducer.reduce_scatter = spy_reduce_scatter
+    model(*make_batch("mlp", batch_seed(0, dist.get_rank()), 4)).backward()
     # Our gather outputs are freed once copied out, whoever else still references them.
-    seen.append({"gather_outputs_left": sum(t.untyped_storage().nbytes() for t in gathered)})
+    left = sum(t.untyped_storage().nbytes() for t in gathered)
+    seen.append({"gathers": len(gathered) > 0, "gather_outputs_left": left})
     return seen
 
 
@@ -231,4 +227,4 @@ def test_reduce_scatter_issued_after_parameters_and_gradients_are_freed() -> Non
         for s in issued:
             assert s["unsharded_nbytes"] == 0, f"rank {rank}: {s}"
             assert s["grads_left"] == 0, f"rank {rank}: {s}"
-        assert tail == {"gather_outputs_left": 0}, f"rank {rank}"
+        assert tail == {"gathers": True, "gather_outputs_left": 0}, f"rank {rank}"

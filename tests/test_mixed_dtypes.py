@@ -1,7 +1,7 @@
 """One ``fully_shard`` group holding parameters of several dtypes: LoRA/QLoRA (a frozen bf16, fp8 or
 int8 base weight beside fp32 adapters) and two trainable dtypes.
 
-The group's buffers are bytes (see [Note: mixed dtypes] in fsdp2/engine/param_group.py): still one
+The group's buffers are bytes (see [Note: mixed dtypes] in fsdp2/engine/layout.py): still one
 all-gather per group, and one reduce-scatter, in the widest trainable reduce dtype. The frozen
 weights are upcast exactly (``.float()``) in forward, so both models do fp32 arithmetic on the same
 values and agree to fp32 summation order; a gather that misplaces a byte corrupts a weight.

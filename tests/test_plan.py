@@ -127,7 +127,7 @@ def _real_step(
     for group in {
         id(g): g for m in model.modules() if (s := state_of(m)) for g in s.groups
     }.values():
-        group.guess_prefetch = prefetch
+        group.settings.guess_prefetch = prefetch
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     data = "mlp" if model_name in LOCAL_MODELS else model_name
     batch = local_batch(data, 0, 0, dist.get_rank(), dist.get_world_size(), 2)
@@ -137,7 +137,7 @@ def _real_step(
     groups = {id(g): g for m in model.modules() if (s := state_of(m)) for g in s.groups}
     params = list(model.parameters())
     return {
-        "flat": sum(g.sharded_flat.untyped_storage().nbytes() for g in groups.values()),
+        "flat": sum(g.layout.sharded_flat.untyped_storage().nbytes() for g in groups.values()),
         "params": _storage_bytes(params),
         "grads": _storage_bytes([p.grad for p in params if p.grad is not None]),
         "optim": _storage_bytes([t for s in opt.state.values() for t in s.values() if t.dim()]),

@@ -22,7 +22,7 @@ def _guessed(skip_block_in_last_step: bool) -> list[dict[str, Any]]:
     shard_model(t.model, "mlp")
     for module in fsdp_modules(t.model):
         for group in module._get_fsdp_state().groups:
-            group.guess_prefetch = True
+            group.settings.guess_prefetch = True
     t.make_optimizers()
     blocks: nn.ModuleList = t.model.blocks  # type: ignore[assignment]
     steps = []

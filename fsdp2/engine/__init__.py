@@ -1,1 +1,27 @@
-"""The engine: what runs around every forward and backward of a sharded module."""
+"""The engine: what runs around every forward and backward of a sharded module.
+
+Read the files in the order data flows through them: ``module.py`` (the methods a sharded module
+gains) → ``state.py`` (the hooks around forward and backward) → ``param_group.py`` (one
+``fully_shard`` call's parameters: the unshard/reshard state machine) → ``layout.py`` and
+``param.py`` (where each parameter lives in the group's flat buffers) → ``reduce.py`` (the
+gradient side) → ``collectives.py`` (the one seam to the process group).
+
+The tensors, per group and per rank (``W`` = the shard group's size):
+
+- *sharded parameter*: ``FSDPParam.sharded_param``, the ``DTensor`` the optimizer and the user
+  hold; its local tensor is this rank's rows of the parameter, a view of the flat shard buffer.
+- *flat shard buffer*: ``FlatLayout.sharded_flat``, 1-D, this rank's padded chunk of every
+  parameter back to back; the all-gather's input as it is ([Note: flat layout]).
+- *gather output*: 1-D, rank-major (every rank's flat shard, one after another), freed once
+  copied out.
+- *unsharded buffer*: ``FlatLayout.unsharded_flat``, 1-D, param-major (every parameter whole,
+  padded to ``W`` chunks); its storage shrinks to nothing at reshard and grows back at the next
+  gather ([Note: freeing unsharded storage]).
+- *unsharded parameter*: ``FSDPParam.unsharded_param``, a view of the unsharded buffer in the
+  parameter's full shape, registered on the module between unshard and reshard.
+- *gradient views*: autograd's ``.grad`` of the unsharded parameters, taken at reduction; the
+  reduced shards come back as the sharded parameters' ``.grad``, each a piece of the
+  reduce-scatter output with a storage of its own (``param.own_storage``).
+- *reduce-scatter input*: ``(W, chunks)``, every trainable parameter's gradient cut rank-major
+  (in ``reduce_dtype``); *reduce-scatter output*: 1-D, this rank's reduced chunk of each.
+"""

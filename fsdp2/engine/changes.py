@@ -20,8 +20,8 @@ from typing import cast
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fsdp2.engine.param import FSDPParam, ShardedState
-from fsdp2.engine.param_group import FSDPParamGroup
+from fsdp2.engine.param import FSDPParam
+from fsdp2.engine.param_group import FSDPParamGroup, ShardedState
 
 __all__ = ["take_up_changes"]
 
@@ -37,7 +37,7 @@ def _follow_requires_grad(group: FSDPParamGroup) -> None:
     changed = [p for p in group.fsdp_params if p.follow_requires_grad(gathered)]
     if not changed:
         return
-    if group._replica_partial is not None:
+    if group.reducer.deferred_replica_sum is not None:
         raise RuntimeError(
             f"requires_grad of {', '.join(p.fqn for p in changed)} changed while fsdp2 held "
             "gradients reduced over the shard ranks but not yet all-reduced over replicas "
@@ -47,9 +47,7 @@ def _follow_requires_grad(group: FSDPParamGroup) -> None:
         if not fsdp_param.requires_grad:  # frozen: never hand it a gradient summed before
             fsdp_param.unsharded_param.grad = None
             fsdp_param.unreduced = None
-    group.trainable = [p for p in group.fsdp_params if p.requires_grad]
-    if group.mixed:  # a mixed group reduces in the widest of its trainable parameters' dtypes
-        group._set_dtypes()  # (the layout it also recomputes depends on dtypes only: unchanged)
+    group.layout.follow_requires_grad()
 
 
 def _adopt_replaced(group: FSDPParamGroup) -> None:

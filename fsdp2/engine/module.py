@@ -139,7 +139,7 @@ class FSDPModule:
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """``False`` for modules whose backward needs none of their parameters."""
         for group in self._groups(recurse=False):
-            group.unshard_in_backward = unshard_in_backward
+            group.settings.unshard_in_backward = unshard_in_backward
 
     # -- when to free -----------------------------------------------------------------------------
 
@@ -153,7 +153,7 @@ class FSDPModule:
             state.requested_reshard_after_forward = reshard_after_forward
             state.reshard_after_forward = reshard_after_forward
             for group in state.groups:
-                group.partial_group = None  # a bool replaces reshard_after_forward=k
+                group.settings.k_group = None  # a bool replaces reshard_after_forward=k
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
@@ -161,7 +161,7 @@ class FSDPModule:
         """Whether to free gathered parameters after backward (``False`` keeps them gathered
         across gradient-accumulation micro-steps)."""
         for group in self._groups(recurse):
-            group.reshard_after_backward = reshard_after_backward
+            group.settings.reshard_after_backward = reshard_after_backward
 
     # -- gradient reduction -----------------------------------------------------------------------
 
@@ -171,7 +171,7 @@ class FSDPModule:
         """``False``: backward accumulates local, unreduced gradients (no communication) until
         a backward with ``True`` reduces their sum once."""
         for group in self._groups(recurse):
-            group.reduce_grads_enabled = requires_gradient_sync
+            group.settings.requires_gradient_sync = requires_gradient_sync
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """``False``: the next backward does not wait for its last reduce-scatters at its end."""
@@ -183,14 +183,14 @@ class FSDPModule:
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """For HSDP's replicate axis; with a 1-D mesh there is no all-reduce to skip."""
         for group in self._groups(recurse):
-            group.requires_all_reduce = requires_all_reduce
+            group.settings.requires_all_reduce = requires_all_reduce
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide summed gradients by ``factor`` instead of averaging over the ranks."""
         if not factor > 0:
             raise ValueError(f"set_gradient_divide_factor expects a positive factor, got {factor}")
         for group in self._groups(recurse=False):
-            group.divide_factor = float(factor)
+            group.settings.divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated name of :meth:`set_gradient_divide_factor`."""
@@ -204,7 +204,7 @@ class FSDPModule:
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Reduce with SUM only and divide afterwards (for backends without AVG)."""
         for group in self._groups(recurse=False):
-            group.force_sum_reduction = enable
+            group.settings.force_sum_reduction = enable
 
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True
@@ -212,7 +212,7 @@ class FSDPModule:
         """Reduce zeros for parameters that got no gradient on this rank, so ranks whose
         control flow differs (MoE routing, optional branches) still issue matching collectives."""
         for group in self._groups(recurse):
-            group.reduce_scatter_unused = reduce_scatter_unused_params
+            group.settings.reduce_scatter_unused = reduce_scatter_unused_params
 
     def set_reduce_scatter_max_input_buffers(
         self, max_input_buffers: int, *, recurse: bool = True
@@ -225,7 +225,7 @@ class FSDPModule:
         if max_input_buffers < 1:
             raise ValueError(f"max_input_buffers must be at least 1, got {max_input_buffers}")
         for group in self._groups(recurse):
-            group.max_in_flight = max_input_buffers
+            group.settings.max_in_flight = max_input_buffers
 
     def set_all_reduce_hook(
         self, hook: Callable[[torch.Tensor], None], *, stream: torch.Stream | None = None
@@ -234,7 +234,7 @@ class FSDPModule:
         gradients are handed out (e.g. a custom all-reduce over another mesh dim)."""
         del stream  # fsdp2 runs no side streams: the hook runs where the reduction is waited on
         for group in self._groups(recurse=False):
-            group.all_reduce_hook = hook
+            group.settings.all_reduce_hook = hook
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """An event the next forward's first gather waits on (then discarded)."""
@@ -246,12 +246,12 @@ class FSDPModule:
     def set_custom_all_gather(self, comm: AllGather) -> None:
         """Use ``comm`` (its ``allocate`` for the output buffer) for this module's all-gather."""
         for group in self._groups(recurse=False):
-            group.custom_all_gather = comm
+            group.settings.custom_all_gather = comm
 
     def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
         """Use ``comm`` (its ``allocate`` for both buffers) for this module's reduce-scatter."""
         for group in self._groups(recurse=False):
-            group.custom_reduce_scatter = comm
+            group.settings.custom_reduce_scatter = comm
 
     def set_separate_reduce_scatter_group(
         self, enable: bool = True, *, recurse: bool = True
@@ -262,19 +262,20 @@ class FSDPModule:
         ``False``: back to the shard group. (Traced mode does not support it.)"""
         made: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for group in self._groups(recurse):
-            shard_group = group.info.shard_group
-            if not enable or shard_group is None or group.world == 1:  # nothing to scatter
-                group.reduce_scatter_group = None
+            settings, shard_group = group.settings, group.info.shard_group
+            if not enable or shard_group is None or group.shard_size == 1:  # nothing to scatter
+                settings.reduce_scatter_group = None
             else:
                 ranks = tuple(dist.get_process_group_ranks(shard_group))
                 if ranks not in made:
-                    made[ranks] = group.reduce_scatter_group or dist.new_group(
+                    made[ranks] = settings.reduce_scatter_group or dist.new_group(
                         list(ranks), use_local_synchronization=True, group_desc="fsdp2_rs"
                     )
-                group.reduce_scatter_group = made[ranks]
-            comm = group.custom_reduce_scatter
+                settings.reduce_scatter_group = made[ranks]
+            comm = settings.custom_reduce_scatter
             if isinstance(comm, GroupAllocReduceScatter):  # allocate from the group it runs on
-                group.custom_reduce_scatter = type(comm)(group.reduce_scatter_group or shard_group)  # type: ignore[arg-type]
+                rs_group = settings.reduce_scatter_group or shard_group
+                settings.custom_reduce_scatter = type(comm)(rs_group)  # type: ignore[arg-type]
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Allocate this module's all-gather and reduce-scatter buffers with the process group's
@@ -285,10 +286,16 @@ class FSDPModule:
         _check_no_user_comms(groups, "set_allocate_memory_from_process_group_for_comm")
         for group in groups:
             shard_group = group.info.shard_group
-            rs_group = group.reduce_scatter_group or shard_group
-            assert shard_group is not None and rs_group is not None  # filtered above
-            group.custom_all_gather = GroupAllocAllGather(shard_group) if enable else None
-            group.custom_reduce_scatter = GroupAllocReduceScatter(rs_group) if enable else None
+            rs_group = group.settings.reduce_scatter_group or shard_group
+            if shard_group is None or rs_group is None:
+                raise AssertionError(
+                    f"set_allocate_memory_from_process_group_for_comm: expected '{group.label}' "
+                    "to have a shard group (groups without one were filtered out), found None"
+                )
+            group.settings.custom_all_gather = GroupAllocAllGather(shard_group) if enable else None
+            group.settings.custom_reduce_scatter = (
+                GroupAllocReduceScatter(rs_group) if enable else None
+            )
 
     def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
         """All-gather into symmetric memory (CUDA + NCCL only), so that NCCL may use its
@@ -301,25 +308,30 @@ class FSDPModule:
         _check_no_user_comms(groups, "set_symm_mem_for_comm")
         for group in groups:
             pg_backend = str(dist.get_backend(group.info.shard_group))
-            if group.device.type != "cuda" or "nccl" not in pg_backend:
+            device = group.layout.device
+            if device.type != "cuda" or "nccl" not in pg_backend:
                 raise RuntimeError(
-                    f"set_symm_mem_for_comm: '{group.label}' communicates on {group.device.type} "
+                    f"set_symm_mem_for_comm: '{group.label}' communicates on {device.type} "
                     f"through {pg_backend}, but symmetric memory needs CUDA devices and an NCCL "
                     "process group. Call it only when training on CUDA with NCCL"
                 )
         for group in groups:
             shard_group = group.info.shard_group
-            rs_group = group.reduce_scatter_group or shard_group
-            assert shard_group is not None and rs_group is not None  # filtered above
-            group.custom_all_gather = SymmMemAllGather(shard_group, backend)
-            if group.force_sum_reduction:
-                group.custom_reduce_scatter = SymmMemReduceScatter(rs_group, backend)
+            rs_group = group.settings.reduce_scatter_group or shard_group
+            if shard_group is None or rs_group is None:
+                raise AssertionError(
+                    f"set_symm_mem_for_comm: expected '{group.label}' to have a shard group "
+                    "(groups without one were filtered out), found None"
+                )
+            group.settings.custom_all_gather = SymmMemAllGather(shard_group, backend)
+            if group.settings.force_sum_reduction:
+                group.settings.custom_reduce_scatter = SymmMemReduceScatter(rs_group, backend)
 
 
 def _check_no_user_comms(groups: list[FSDPParamGroup], method: str) -> None:
     """``method`` installs fsdp2's own collectives: refuse to replace the user's."""
     for group in groups:
-        for comm in (group.custom_all_gather, group.custom_reduce_scatter):
+        for comm in (group.settings.custom_all_gather, group.settings.custom_reduce_scatter):
             if comm is not None and not isinstance(
                 comm, (GroupAllocAllGather, GroupAllocReduceScatter)
             ):

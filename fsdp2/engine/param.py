@@ -1,6 +1,6 @@
 """``FSDPParam``: one parameter, seen as its slice of its group's flat buffers.
 
-Layout (see [Note: flat layout] in param_group.py): a parameter is cut along its shard dim into
+Layout (see [Note: flat layout] in layout.py): a parameter is cut along its shard dim into
 ``W`` chunks of ``ceil(rows / W)`` rows, as ``torch.chunk`` and DTensor's ``Shard(dim)`` cut it.
 Each rank's chunk holds its rows as one contiguous tensor of their true shape, followed by padding
 that exists only inside fsdp2's buffers, never in a tensor a user sees. A 0-d parameter cannot be
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from enum import Enum, auto
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,9 +35,7 @@ from fsdp2.engine.nested import dp_rows_mismatch, piece_sizes
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from fsdp2.engine.param_group import FSDPParamGroup
-
-__all__ = ["FSDPParam", "ShardedState", "typed"]
+__all__ = ["FSDPParam", "typed"]
 
 
 def typed(flat: torch.Tensor, start: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -47,14 +44,6 @@ def typed(flat: torch.Tensor, start: int, numel: int, dtype: torch.dtype) -> tor
     if flat.dtype == dtype:
         return flat[start : start + numel]
     return flat[start : start + numel * dtype.itemsize].view(dtype)
-
-
-class ShardedState(Enum):
-    """Which form of a group's parameters is registered on its modules."""
-
-    SHARDED = auto()  # at init and after reshard(): only this rank's padded shard is allocated
-    UNSHARDED = auto()  # after the all-gather is copied out: the full parameters are allocated
-    PARTIAL = auto()  # after forward with reshard_after_forward=k: W/k chunks kept for backward
 
 
 class FSDPParam:
@@ -95,11 +84,10 @@ class FSDPParam:
         # The gathered inputs handed to the post hook, kept across gathers: a hook may keep them
         # as the unsharded parameter's inner tensors and refill nothing itself (out=).
         self.ext_outputs: list[torch.Tensor] | None = None
-        self.ext_mesh: DeviceMesh | None = None  # handed to the pre hook (extension.shard_mesh)
+        self.ext_mesh: DeviceMesh | None = None  # handed to the pre hook (packing.shard_mesh)
         self.module = slots[0][0]  # handed to fsdp_pre_all_gather
         self.on_grad_ready: Callable[[torch.Tensor], None] | None = None
-        # Set by the group once the layout is fixed.
-        self.group: FSDPParamGroup  # the group whose flat buffers hold this parameter
+        # Set by the group's layout once it is fixed (layout.py).
         self.offset = 0  # start of this parameter's chunk inside a rank's flat shard
         self.param_dtype = self.dtype  # what it is gathered and computed in (mixed precision)
         # Its chunk in a rank's part of the gathered buffer (in the dtype's units, or bytes).
@@ -276,7 +264,7 @@ class FSDPParam:
             param.register_post_accumulate_grad_hook(self.on_grad_ready)  # type: ignore[no-untyped-call]
             self._hooked = param
         # Holding the AccumulateGrad node keeps it unique, so the engine can be asked
-        # whether it will run in a given backward (see FSDPParamGroup.on_grad_ready).
+        # whether it will run in a given backward (see GradientReducer.on_grad_ready).
         # Grad mode on: the first gather may run under no_grad (evaluation first, or the
         # forward of a reentrant checkpoint), where the view would have no grad_fn.
         with torch.enable_grad():

@@ -44,34 +44,34 @@ from typing import cast
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Partial
 
-from fsdp2.engine.collectives import Pending, ReduceScatter, all_reduce, reduce_scatter
+from fsdp2.engine.collectives import Pending, all_reduce, reduce_scatter
+from fsdp2.engine.grads import Reduced, local_grad
+from fsdp2.engine.layout import FlatLayout
 from fsdp2.engine.mesh import MeshInfo
 from fsdp2.engine.param import FSDPParam
+from fsdp2.engine.settings import GroupSettings
 
-__all__ = [
-    "GradientReduction",
-    "PendingReduce",
-    "Reduced",
-    "accumulate_grad",
-    "hand_over",
-    "local_grad",
-]
-
-# A reduced shard for its parameter, and, for a parameter this rank had no gradient for, the
-# reduced flag that says whether any rank had one (see [Note: gradients on some ranks only]).
-Reduced = tuple[FSDPParam, torch.Tensor, "torch.Tensor | None"]
+__all__ = ["GradientReducer", "PendingReduce"]
 
 
 class PendingReduce:
     """A reduce-scatter in flight; ``finish()`` waits and returns each parameter's reduced shard."""
 
-    __slots__ = ("free_input", "group", "keep_alive", "out", "params", "pending", "use_sum", "used")
+    __slots__ = (
+        "free_input",
+        "keep_alive",
+        "out",
+        "params",
+        "pending",
+        "reducer",
+        "use_sum",
+        "used",
+    )
 
     def __init__(
         self,
-        group: GradientReduction,
+        reducer: GradientReducer,
         pending: Pending,
         out: torch.Tensor | None,
         params: list[FSDPParam],
@@ -80,7 +80,7 @@ class PendingReduce:
         free_input: bool = False,
         used: list[bool] | None = None,
     ) -> None:
-        self.group = group
+        self.reducer = reducer
         self.pending = pending
         self.out = out  # 1-D, this rank's reduced chunk of every parameter in ``params``
         self.params = params
@@ -100,105 +100,49 @@ class PendingReduce:
         happens to be done, would pair up with a different collective on its peers."""
         if not self.pending.done():
             return False
-        return self.out is None or not self.group.finish_communicates()
+        return self.out is None or not self.reducer.finish_communicates()
 
     def finish(self) -> list[Reduced]:
         self.pending.wait()
         if self.out is None:  # one rank, nothing to reduce: the gradients are the shards
             grads, self.keep_alive = self.keep_alive, None
-            return self.group.own_shards(self.params, cast("list[torch.Tensor]", grads))
+            return self.reducer.own_shards(self.params, cast("list[torch.Tensor]", grads))
         if self.free_input:
             cast(torch.Tensor, self.keep_alive).untyped_storage().resize_(0)
         self.keep_alive = None
-        return self.group.finish_reduce(self.out, self.params, self.use_sum, self.used)
+        return self.reducer.finish_reduce(self.out, self.params, self.use_sum, self.used)
 
 
-def accumulate_grad(fsdp_param: FSDPParam, local: torch.Tensor) -> None:
-    """Hand a reduced shard to the sharded parameter: as its gradient, or added to it; then run
-    the parameter's post-accumulate-grad hooks (optimizer-in-backward steps there), once per
-    backward, as autograd runs them for a plain parameter."""
-    if fsdp_param.frozen():
-        return  # frozen after its forward: as in plain PyTorch, it gets no gradient
-    param = fsdp_param.sharded_param
-    if param.grad is None:
-        param.grad = fsdp_param.make_grad(local)
-    elif isinstance(param.grad, DTensor):
-        param.grad._local_tensor.add_(local)
-    else:
-        raise RuntimeError(
-            f"fsdp2 expected the gradient of {fsdp_param.fqn} to be None or a DTensor, found a "
-            f"{type(param.grad).__name__}; assign gradients as DTensors or set them to None"
-        )
-    for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
-        hook(param)
+class GradientReducer:
+    """The gradient side of one ``FSDPParamGroup``: counts its gradients in, reduces them in one
+    reduce-scatter (and, with replicas, one all-reduce) and cuts the result into shards. It reads
+    the group's buffers and dtypes from its ``layout`` and the user's choices from ``settings``,
+    both shared with the group."""
 
+    # The collective seam (collectives.py); a test may give one reducer its own to observe the
+    # moment its reduce-scatter is issued.
+    reduce_scatter = staticmethod(reduce_scatter)
 
-def hand_over(reduced: list[Reduced]) -> None:
-    """At the end of backward: give each parameter its reduced shard, but not one that no rank
-    had a gradient for, which stays ``None`` as in plain data parallel. Reading those flags
-    waits for their reduce-scatters: only a rank that lacked some gradient pays for it."""
-    flags = [flag for _, _, flag in reduced if flag is not None]
-    anywhere = iter(torch.stack(flags).gt(0).tolist() if flags else [])
-    for fsdp_param, shard, flag in reduced:
-        if flag is None or next(anywhere):
-            accumulate_grad(fsdp_param, shard)
+    def __init__(
+        self, label: str, info: MeshInfo, layout: FlatLayout, settings: GroupSettings
+    ) -> None:
+        self.label = label
+        self.info = info
+        self.shard_size = info.shard_size
+        self.layout = layout
+        self.settings = settings
+        self.on_grads_ready: Callable[[], None] = lambda: None  # set by the owning FSDPState
+        self.grads_ready = False  # every gradient in, not yet reduced (see the note above)
+        self.reduced_in_backward = False  # reduce-scattered since the last end of backward
+        self._task = -1  # graph task whose gradients are being counted
+        self.backward_task = -1  # graph task its pre-backward ran in (-1: none this backward)
+        self._ready = 0
+        self._expected = 0
+        # HSDP with set_requires_all_reduce(False): reduced over the shard ranks, summed over
+        # micro-steps, not yet all-reduced over the replicas.
+        self.deferred_replica_sum: torch.Tensor | None = None
 
-
-def local_grad(fsdp_param: FSDPParam, grad: torch.Tensor) -> torch.Tensor:
-    """The plain tensor to reduce for an unsharded gradient. A DTensor gradient (tensor
-    parallel) is first laid out as its parameter on the model-parallel dims (e.g. ``Partial``
-    after a row-wise layer is summed over tp), but a ``Partial`` on a data-parallel dim is left
-    alone: its local tensor is this rank's contribution, which the reduce-scatter sums (or
-    averages) over those very ranks. Summing it there first would count it once per rank."""
-    if not isinstance(grad, DTensor):
-        return grad
-    spec = fsdp_param.outer_spec
-    if spec is None:
-        raise AssertionError(
-            f"{fsdp_param.fqn}: expected a DTensor gradient only for a DTensor parameter, "
-            "found one for a plain parameter"
-        )
-    dp_axes = fsdp_param.dp_axes
-    target = tuple(
-        have if axis in dp_axes and isinstance(have, Partial) else want
-        for axis, (have, want) in enumerate(zip(grad.placements, spec.placements, strict=True))
-    )
-    if grad.placements != target:
-        grad = grad.redistribute(spec.mesh, target)
-    return grad._local_tensor
-
-
-class GradientReduction:
-    """The gradient half of ``FSDPParamGroup`` (which sets every attribute declared here)."""
-
-    info: MeshInfo
-    label: str
-    world: int
-    fsdp_params: list[FSDPParam]
-    trainable: list[FSDPParam]
-    sharded_flat: torch.Tensor
-    dtype: torch.dtype
-    mixed: bool  # parameters of several dtypes (see [Note: mixed dtypes] in param_group.py)
-    param_dtype: torch.dtype
-    reduce_dtype: torch.dtype
-    device: torch.device
-    on_grads_ready: Callable[[], None]
-    grads_ready: bool
-    reduced_in_backward: bool
-    divide_factor: float | None
-    force_sum_reduction: bool
-    reduce_scatter_unused: bool
-    all_reduce_hook: Callable[[torch.Tensor], None] | None
-    custom_reduce_scatter: ReduceScatter | None
-    reduce_scatter_group: dist.ProcessGroup | None  # set_separate_reduce_scatter_group
-    requires_all_reduce: bool
-    _replica_partial: torch.Tensor | None
-    _task: int
-    backward_task: int
-    _ready: int
-    _expected: int
-
-    def _on_grad_ready(self, param: torch.Tensor) -> None:
+    def on_grad_ready(self, param: torch.Tensor) -> None:
         grad = param.grad
         if grad is not None and (grad.requires_grad or grad.layout is not torch.strided):
             self._refuse_grad(param, grad)
@@ -224,7 +168,7 @@ class GradientReduction:
         try:
             return sum(
                 torch._C._will_engine_execute_node(p.grad_node)
-                for p in self.trainable
+                for p in self.layout.trainable
                 if p.grad_node is not None
             )
         except RuntimeError:
@@ -234,7 +178,7 @@ class GradientReduction:
 
     def _refuse_grad(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         """Raise for a gradient no reduce-scatter can take: one with a graph, or a sparse one."""
-        fqn = next((p.fqn for p in self.trainable if p.unsharded_param is param), "?")
+        fqn = next((p.fqn for p in self.layout.trainable if p.unsharded_param is param), "?")
         if not grad.requires_grad:
             raise RuntimeError(
                 f"fsdp2: {fqn} got a gradient of layout {grad.layout}, but sharded gradients are "
@@ -252,19 +196,21 @@ class GradientReduction:
         )
 
     def has_unreduced_grads(self) -> bool:
-        return any(map(self._has_grad, self.trainable))
+        return any(map(self._has_grad, self.layout.trainable))
 
     def reduces_at_end(self) -> bool:
         """Whether the end of backward (or pipelining's ``post_backward``) still has to reduce
         this group: gradients its own hooks did not reduce, or the zeros asked for by
         ``set_reduce_scatter_unused_params`` where no backward reached it."""
         return self.has_unreduced_grads() or (
-            self.reduce_scatter_unused and not self.reduced_in_backward and bool(self.trainable)
+            self.settings.reduce_scatter_unused
+            and not self.reduced_in_backward
+            and bool(self.layout.trainable)
         )
 
     def drop_unreduced_grads(self) -> None:
-        self._replica_partial = None
-        for fsdp_param in self.trainable:
+        self.deferred_replica_sum = None
+        for fsdp_param in self.layout.trainable:
             fsdp_param.unsharded_param.grad = None
             fsdp_param.unreduced = None
 
@@ -273,58 +219,58 @@ class GradientReduction:
         self._task = -1
         self.reduced_in_backward = True
         replicated = self.info.replicate_group is not None
-        has = [self._has_grad(p) for p in self.trainable]  # on this rank
+        has = [self._has_grad(p) for p in self.layout.trainable]  # on this rank
         used = None  # per parameter, when the chunk carries flags
-        if self.world > 1 or replicated:  # see [Note: gradients on some ranks only]
-            params = self.trainable
+        if self.shard_size > 1 or replicated:  # see [Note: gradients on some ranks only]
+            params = self.layout.trainable
             deferring = replicated and (
-                not self.requires_all_reduce or self._replica_partial is not None
+                not self.settings.requires_all_reduce or self.deferred_replica_sum is not None
             )
-            if not (self.reduce_scatter_unused or deferring or any(has)):
+            if not (self.settings.reduce_scatter_unused or deferring or any(has)):
                 # No gradient at all on this rank: a backward for inputs only (autograd.grad,
                 # pipelining's shape inference), which every rank runs alike. torch reduces
                 # nothing there either.
                 return None
-            if not self.reduce_scatter_unused:
+            if not self.settings.reduce_scatter_unused:
                 used = has
         else:
-            params = [p for p, h in zip(self.trainable, has, strict=True) if h]
+            params = [p for p, h in zip(self.layout.trainable, has, strict=True) if h]
         if not params:
             return None
         grads = [self._take_grad(p) for p in params]
-        use_sum = self.divide_factor is not None or self.force_sum_reduction
-        if self.world == 1 and self.info.replicate_group is None and not use_sum:
-            if self.all_reduce_hook is None:
+        use_sum = self.settings.divide_factor is not None or self.settings.force_sum_reduction
+        if self.shard_size == 1 and self.info.replicate_group is None and not use_sum:
+            if self.settings.all_reduce_hook is None:
                 return PendingReduce(self, Pending(None), None, params, grads, use_sum)
-        if self.mixed or any(g.dtype != grads[0].dtype for g in grads):
+        if self.layout.mixed or any(g.dtype != grads[0].dtype for g in grads):
             # _chunk_cat takes one dtype (and casts it to reduce_dtype): a mixed-dtype group's,
             # or running sums without sync next to this backward's gradients or zeros
-            grads = [g.to(self.reduce_dtype) for g in grads]
+            grads = [g.to(self.layout.reduce_dtype) for g in grads]
         if used is not None:  # one flag per parameter at the end of every rank's chunk
             one, zero = grads[0].new_ones(1), grads[0].new_zeros(1)
-            grads.extend((one if u else zero).expand(self.world) for u in used)
-        if self.world == 1:
+            grads.extend((one if u else zero).expand(self.shard_size) for u in used)
+        if self.shard_size == 1:
             out = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0]
-            out = out.reshape(-1).to(self.reduce_dtype)
+            out = out.reshape(-1).to(self.layout.reduce_dtype)
             return PendingReduce(self, Pending(None), out, params, None, use_sum, used=used)
         numel = sum(p.chunk_numel for p in params) + (len(used) if used is not None else 0)
-        comm = self.custom_reduce_scatter
-        size, dtype, device = (self.world, numel), self.reduce_dtype, self.device
+        comm = self.settings.custom_reduce_scatter
+        size, dtype, device = (self.shard_size, numel), self.layout.reduce_dtype, self.layout.device
         if comm is not None:
             inp = comm.allocate(size, dtype=dtype, device=device)
             out = comm.allocate((numel,), dtype=dtype, device=device)
         else:
             inp = torch.empty(size, dtype=dtype, device=device)
             out = inp.new_empty(numel)
-        torch._chunk_cat(grads, dim=0, num_chunks=self.world, out=inp)  # casts to reduce_dtype
+        torch._chunk_cat(grads, dim=0, num_chunks=self.shard_size, out=inp)  # casts to reduce_dtype
         grads.clear()  # copied: free them before the collective allocates its own buffers
         op = dist.ReduceOp.SUM if use_sum else dist.ReduceOp.AVG
-        group = self.reduce_scatter_group or self.info.shard_group
+        group = self.settings.reduce_scatter_group or self.info.shard_group
         if group is None:
             raise AssertionError(
                 f"reduce_grads '{self.label}': expected a shard group to reduce over, found None"
             )
-        pending = reduce_scatter(out, inp.view(-1), group, self.label, op, comm)
+        pending = self.reduce_scatter(out, inp.view(-1), group, self.label, op, comm)
         return PendingReduce(
             self, pending, out, params, inp, use_sum, free_input=comm is None, used=used
         )
@@ -336,15 +282,15 @@ class GradientReduction:
     def stash_grads(self) -> None:
         """Without gradient sync: move this backward's gradients onto the running unreduced sum,
         kept in ``reduce_dtype`` so low-precision micro-steps don't lose bits."""
-        if self.reduce_dtype == self.param_dtype:
+        if self.layout.reduce_dtype == self.layout.param_dtype:
             return  # autograd keeps accumulating into the unsharded .grad, already the dtype
-        for fsdp_param in self.trainable:
+        for fsdp_param in self.layout.trainable:
             unsharded = fsdp_param.unsharded_param
             if unsharded.grad is None:
                 continue
             grad = unsharded.grad
             unsharded.grad = None
-            grad = local_grad(fsdp_param, grad).to(self.reduce_dtype)
+            grad = local_grad(fsdp_param, grad).to(self.layout.reduce_dtype)
             if fsdp_param.unreduced is None:
                 fsdp_param.unreduced = grad
             else:
@@ -360,16 +306,18 @@ class GradientReduction:
             grad = fsdp_param.unreduced if grad is None else fsdp_param.unreduced.add_(grad)
             fsdp_param.unreduced = None
         if grad is None:  # unused here, but other ranks may have used it
-            grad = torch.zeros(fsdp_param.shape, dtype=self.param_dtype, device=self.device)
+            grad = torch.zeros(
+                fsdp_param.shape, dtype=self.layout.param_dtype, device=self.layout.device
+            )
         # A scalar is replicated: every rank's chunk carries it, so each gets the reduced value.
         if grad.dim() == 0:
-            return grad.reshape(1).expand(self.world)
-        return fsdp_param.rank_major(grad, self.world)
+            return grad.reshape(1).expand(self.shard_size)
+        return fsdp_param.rank_major(grad, self.shard_size)
 
     def finish_communicates(self) -> bool:
         """Whether ``finish_reduce`` may issue collectives (HSDP's all-reduce, the user's hook)."""
-        replicated = self.info.replicate_group is not None and self.requires_all_reduce
-        return replicated or self.all_reduce_hook is not None
+        replicated = self.info.replicate_group is not None and self.settings.requires_all_reduce
+        return replicated or self.settings.all_reduce_hook is not None
 
     def finish_reduce(
         self, out: torch.Tensor, params: list[FSDPParam], use_sum: bool, used: list[bool] | None
@@ -380,37 +328,41 @@ class GradientReduction:
         only])."""
         info = self.info
         if info.replicate_group is not None:
-            if self._replica_partial is not None:  # micro-steps whose all-reduce was deferred
-                out = out.add_(self._replica_partial)
-                self._replica_partial = None
-            if not self.requires_all_reduce:
-                self._replica_partial = out
+            if self.deferred_replica_sum is not None:  # micro-steps whose all-reduce was deferred
+                out = out.add_(self.deferred_replica_sum)
+                self.deferred_replica_sum = None
+            if not self.settings.requires_all_reduce:
+                self.deferred_replica_sum = out
                 return []
             op = dist.ReduceOp.SUM if use_sum else dist.ReduceOp.AVG
             all_reduce(out, info.replicate_group, self.label, op).wait()
         if use_sum:
-            factor = self.divide_factor or float(info.shard_size * info.replicate_size)
+            factor = self.settings.divide_factor or float(info.shard_size * info.replicate_size)
             if factor != 1.0:
                 out.div_(factor)
         flags = None
         if used is not None:
             flags, out = out[out.numel() - len(used) :], out[: out.numel() - len(used)]
-        if self.all_reduce_hook is not None:
-            self.all_reduce_hook(out)
+        if self.settings.all_reduce_hook is not None:
+            self.settings.all_reduce_hook(out)
         # No-op without mp or offload. A mixed-dtype group casts each shard to its own dtype.
-        out = out.to(self.sharded_flat.device, out.dtype if self.mixed else self.dtype)
+        out = out.to(
+            self.layout.sharded_flat.device, out.dtype if self.layout.mixed else self.layout.dtype
+        )
         shards: list[Reduced] = []
         start = 0
         for i, fsdp_param in enumerate(params):
             shard = fsdp_param.local_view(out, start)
             flag = None if flags is None or used is None or used[i] else flags[i]
-            shards.append((fsdp_param, shard.to(fsdp_param.dtype) if self.mixed else shard, flag))
+            shards.append(
+                (fsdp_param, shard.to(fsdp_param.dtype) if self.layout.mixed else shard, flag)
+            )
             start += fsdp_param.chunk_numel
         return shards
 
     def own_shards(self, params: list[FSDPParam], grads: list[torch.Tensor]) -> list[Reduced]:
         """With one rank and no replicas, each whole gradient is the shard: no copy, no cut."""
-        device = self.sharded_flat.device
+        device = self.layout.sharded_flat.device
         shards: list[Reduced] = []
         for p, g in zip(params, grads, strict=True):
             # Usually already the shard's shape, dtype and device: skip the calls (per step,

@@ -20,7 +20,7 @@ see docs/accelerators.md). On CPU meshes neither direction guesses: compute and 
 same cores, so a prefetched gather overlaps nothing (forward: 784 vs 958 ms per step, GPT at 2
 ranks; backward: 49.1 vs 48.9 ms) while its buffer raised peak memory by 2 MiB of 19 (the same
 model). ``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch`` replace the
-guess everywhere; ``FSDPParamGroup.guess_prefetch`` overrides the choice by device.
+guess everywhere; ``GroupSettings.guess_prefetch`` overrides the choice by device.
 """
 
 from __future__ import annotations
@@ -38,10 +38,11 @@ from torch.autograd import Variable
 
 from fsdp2.engine.agreement import check_materialized
 from fsdp2.engine.changes import take_up_changes
+from fsdp2.engine.grads import Reduced, hand_over
 from fsdp2.engine.inputs import InputHooks
 from fsdp2.engine.param_group import FSDPParamGroup
 from fsdp2.engine.policies import MixedPrecisionPolicy, cast_floats
-from fsdp2.engine.reduce import PendingReduce, Reduced, hand_over
+from fsdp2.engine.reduce import PendingReduce
 from fsdp2.engine.tree import map_tensors, tensors_in
 
 __all__ = ["FSDPState", "IterContext", "TrainingState"]
@@ -145,15 +146,15 @@ class IterContext:
         _trace("end_of_backward", "")
         keep_gathered = torch.is_grad_enabled()
         for group in self.groups:
-            if not group.reduce_grads_enabled:
+            if not group.settings.requires_gradient_sync:
                 # A group whose module's backward did not finish in this backward (a list group
                 # where only one module ran: torchtitan's chunked loss on [norm, lm_head]) has not
                 # stashed yet; left in .grad, the next micro-step would sum in param_dtype.
-                group.stash_grads()
-            elif group.reduces_at_end():
-                if group.reshard_after_backward and not keep_gathered:
+                group.reducer.stash_grads()
+            elif group.reducer.reduces_at_end():
+                if group.settings.reshard_after_backward and not keep_gathered:
                     group.reshard()  # first, as in _finish_if_done: free before the collective
-                self.add_reduce(group.reduce_grads(), max_in_flight=1_000_000)
+                self.add_reduce(group.reducer.reduce_grads(), max_in_flight=1_000_000)
         if self.is_last_backward:
             while self.in_flight:
                 self.reduced.extend(self.in_flight.popleft().finish())
@@ -161,10 +162,10 @@ class IterContext:
         self.reduced = []
         for state in self.states:
             for group in state.groups:
-                group.reduced_in_backward = False
-                group.grads_ready = False
-                group.backward_task = -1
-                if group.reshard_after_backward and not keep_gathered:
+                group.reducer.reduced_in_backward = False
+                group.reducer.grads_ready = False
+                group.reducer.backward_task = -1
+                if group.settings.reshard_after_backward and not keep_gathered:
                     group.reshard()
             state.training_state = TrainingState.IDLE
         self.callback_queued = False
@@ -177,10 +178,10 @@ class IterContext:
         self.reduced = []
         for state in self.states:
             for group in state.groups:
-                group.drop_unreduced_grads()
-                group.reduced_in_backward = False
-                group.grads_ready = False
-                group.backward_task = -1
+                group.reducer.drop_unreduced_grads()
+                group.reducer.reduced_in_backward = False
+                group.reducer.grads_ready = False
+                group.reducer.backward_task = -1
                 group.reshard()
             state.training_state = TrainingState.IDLE
             state._call_inputs = []
@@ -223,7 +224,7 @@ class FSDPState:
         self._call_unhooked = False  # that call runs with grad, but no input requires it
         self._call_inputs: list[torch.Tensor] = []  # that call's inputs that require grad
         for group in groups:
-            group.on_grads_ready = partial(self._post_backward, group)
+            group.reducer.on_grads_ready = partial(self._post_backward, group)
 
     @property
     def group(self) -> FSDPParamGroup | None:
@@ -363,7 +364,7 @@ class FSDPState:
                 if evaluating:
                     group.reshard()
                 elif self.reshard_after_forward and every_member_ran:
-                    group.reshard_partial()
+                    group.reshard_to_k()
             self.training_state = TrainingState.IDLE
         if self.is_root:
             self.require_ctx().end_forward()
@@ -426,11 +427,11 @@ class FSDPState:
         _trace("pre_backward", self.fqn)
         self.training_state = TrainingState.PRE_BACKWARD
         for group in self.groups:
-            group.begin_backward()
-            if group.unshard_in_backward:
+            group.reducer.begin_backward()
+            if group.settings.unshard_in_backward:
                 group.unshard()
         for group in self.groups:
-            if group.unshard_in_backward:
+            if group.settings.unshard_in_backward:
                 group.wait_for_unshard()
         if self.backward_prefetch is not None:
             for target in self.backward_prefetch:
@@ -452,7 +453,7 @@ class FSDPState:
                 previous = order[-1]
             elif group.order_index > 0 and order[group.order_index - 1] not in ctx.states[0].groups:
                 previous = order[group.order_index - 1]
-            if previous is not group and previous.unshard_in_backward:
+            if previous is not group and previous.settings.unshard_in_backward:
                 previous.unshard()
 
     def _post_backward(self, group: FSDPParamGroup) -> None:
@@ -468,17 +469,17 @@ class FSDPState:
     def _finish_if_done(self, group: FSDPParamGroup) -> None:
         """Reshard and reduce-scatter ``group`` once autograd is done with it: its gradients
         are in and its modules' backward is done (see [Note: when a module's backward is done])."""
-        if not group.grads_ready or not self.inputs.done():
+        if not group.reducer.grads_ready or not self.inputs.done():
             return
-        group.grads_ready = False
+        group.reducer.grads_ready = False
         ctx = self.require_ctx()
         _trace("post_backward", self.fqn)
-        if group.reshard_after_backward and not torch.is_grad_enabled():
+        if group.settings.reshard_after_backward and not torch.is_grad_enabled():
             group.reshard()  # first: the reduction needs only the gradients, not the parameters
-        if group.reduce_grads_enabled:
-            ctx.add_reduce(group.reduce_grads(), group.max_in_flight)
+        if group.settings.requires_gradient_sync:
+            ctx.add_reduce(group.reducer.reduce_grads(), group.settings.max_in_flight)
         else:
-            group.stash_grads()
+            group.reducer.stash_grads()
         self.training_state = TrainingState.POST_BACKWARD
 
     def __repr__(self) -> str:

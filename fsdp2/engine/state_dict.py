@@ -110,7 +110,7 @@ def _adopt_assigned(group: FSDPParamGroup) -> None:
         owner, name = fsdp_param.slot_modules[0]
         if (
             owner._parameters.get(name) is fsdp_param.sharded_param
-            and group._packed(fsdp_param)
+            and fsdp_param.in_buffer()
             and fsdp_param.sharded_param.device.type != "meta"
         ):
             # A tied alias loaded after the name already adopted and packed: keep the packed

@@ -105,12 +105,14 @@ class _GroupView(_Unsupported):
         fold this backward's gradients into the unreduced sum instead. A second call finds
         nothing left to reduce."""
         group = self._group
-        if group.reshard_after_backward:
+        if group.settings.reshard_after_backward:
             group.reshard()
-        if not group.reduce_grads_enabled:
-            group.stash_grads()
-        elif group.reduces_at_end():
-            _context(self._fsdp2_state).add_reduce(group.reduce_grads(), group.max_in_flight)
+        if not group.settings.requires_gradient_sync:
+            group.reducer.stash_grads()
+        elif group.reducer.reduces_at_end():
+            _context(self._fsdp2_state).add_reduce(
+                group.reducer.reduce_grads(), group.settings.max_in_flight
+            )
 
 
 def _context(state: FSDPState) -> IterContext:

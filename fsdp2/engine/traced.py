@@ -155,18 +155,18 @@ def _gather(group: FSDPParamGroup, *shards: torch.Tensor) -> list[torch.Tensor]:
         raise AssertionError(f"traced gather of '{group.label}' needs a shard group")
     replicate_group = group.info.replicate_group  # HSDP: all-reduce over replicas after
     replicas = replicate_group.group_name if replicate_group is not None else None
-    factor = group.divide_factor or float(group.world * group.info.replicate_size)
+    factor = group.settings.divide_factor or float(group.shard_size * group.info.replicate_size)
     gathered = _GatherShards.apply(  # type: ignore[no-untyped-call]
         flat,
-        group.world,
+        group.shard_size,
         shard_group.group_name,
         replicas,
         factor,
-        group.param_dtype,
-        group.reduce_dtype,
+        group.layout.param_dtype,
+        group.layout.reduce_dtype,
     )
     chunks = [p.chunk_numel for p in group.fsdp_params]
-    columns = gathered.view(group.world, group.shard_numel).split(chunks, dim=1)
+    columns = gathered.view(group.shard_size, group.layout.shard_numel).split(chunks, dim=1)
     fulls = []
     for fsdp_param, column in zip(group.fsdp_params, columns, strict=True):
         if not fsdp_param.shape:  # replicated: every rank sent the same value
@@ -264,23 +264,26 @@ def _unsupported(state: FSDPState) -> list[str]:
     info = group.info
     if info.shard_group is None:
         found.append("replicate-only meshes")
-    if info.replicate_group is not None and not group.requires_all_reduce:
+    if info.replicate_group is not None and not group.settings.requires_all_reduce:
         found.append("set_requires_all_reduce(False)")
-    if group.mixed:
+    if group.layout.mixed:
         found.append("parameters of several dtypes in one group")
     if any(p.extension for p in group.fsdp_params):
         found.append("all-gather extensions (fsdp_pre_all_gather)")
-    if group.offload is not None:
+    if group.settings.offload is not None:
         found.append("CPU offload")
-    if group.partial_group is not None:
+    if group.settings.k_group is not None:
         found.append("reshard_after_forward=<int>")
-    if group.custom_all_gather is not None or group.custom_reduce_scatter is not None:
+    if (
+        group.settings.custom_all_gather is not None
+        or group.settings.custom_reduce_scatter is not None
+    ):
         found.append("custom collectives")
-    if group.reduce_scatter_group is not None:
+    if group.settings.reduce_scatter_group is not None:
         found.append("set_separate_reduce_scatter_group")
-    if group.all_reduce_hook is not None:
+    if group.settings.all_reduce_hook is not None:
         found.append("an all-reduce hook")
-    if not group.reduce_grads_enabled:
+    if not group.settings.requires_gradient_sync:
         found.append("set_requires_gradient_sync(False)")
     return found
 

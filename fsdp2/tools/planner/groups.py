@@ -80,28 +80,32 @@ def _reached_in_backward(model: nn.Module, states: list[FSDPState]) -> list[bool
     for module in model.modules():
         i = first.get(id(module))
         if i is not None:
-            reached[i] = seen_trainable or any(g.trainable for g in states[i].groups)
+            reached[i] = seen_trainable or any(g.layout.trainable for g in states[i].groups)
         seen_trainable |= any(p.requires_grad for p in module.parameters(recurse=False))
     return reached
 
 
 def _facts(group: FSDPParamGroup, label: str, is_root: bool, reshard: bool) -> GroupFacts:
-    world = group.world
+    world = group.shard_size
     replicas = group.info.replicate_size if group.info.replicate_group is not None else 0
-    unit = group.sharded_flat.element_size()  # 1 for a mixed-dtype group's byte buffers
-    gather_unit = 1 if group.mixed else group.param_dtype.itemsize
-    reduce_unit = group.reduce_dtype.itemsize
-    trainable = group.trainable
+    unit = group.layout.sharded_flat.element_size()  # 1 for a mixed-dtype group's byte buffers
+    gather_unit = 1 if group.layout.mixed else group.layout.param_dtype.itemsize
+    reduce_unit = group.layout.reduce_dtype.itemsize
+    trainable = group.layout.trainable
     chunk_numel = sum(p.chunk_numel for p in trainable)
     # Each rank's chunk also carries a flag per parameter: [Note: gradients on some ranks only]
-    flags = len(trainable) if (world > 1 or replicas) and not group.reduce_scatter_unused else 0
-    if group.mixed:  # each reduced shard is cast to its own dtype: real rows only
+    flags = (
+        len(trainable)
+        if (world > 1 or replicas) and not group.settings.reduce_scatter_unused
+        else 0
+    )
+    if group.layout.mixed:  # each reduced shard is cast to its own dtype: real rows only
         grad_bytes = sum(p.local_numel * p.dtype.itemsize for p in trainable)
     else:  # the reduce-scatter's output (one buffer, padding included) in the parameters' dtype
         # and its flags, unless a cast or a copy to the shards' device leaves them behind
-        kept = group.reduce_dtype == group.dtype and group.offload is None
-        grad_bytes = (chunk_numel + (flags if kept else 0)) * group.dtype.itemsize
-    partial = group.partial_group
+        kept = group.layout.reduce_dtype == group.layout.dtype and group.settings.offload is None
+        grad_bytes = (chunk_numel + (flags if kept else 0)) * group.layout.dtype.itemsize
+    partial = group.settings.k_group
     return GroupFacts(
         label=label,
         modules=tuple(label.split(",")),
@@ -110,15 +114,15 @@ def _facts(group: FSDPParamGroup, label: str, is_root: bool, reshard: bool) -> G
         num_trainable=sum(p.numel for p in trainable),
         shard_world=world,
         replicate_world=replicas,
-        param_dtype=str(group.param_dtype).removeprefix("torch."),
-        reduce_dtype=str(group.reduce_dtype).removeprefix("torch."),
+        param_dtype=str(group.layout.param_dtype).removeprefix("torch."),
+        reduce_dtype=str(group.layout.reduce_dtype).removeprefix("torch."),
         reshard_after_forward=reshard,
         partial_k=partial.size() if partial is not None else 0,
-        sharded_bytes=group.shard_numel * unit,
+        sharded_bytes=group.layout.shard_numel * unit,
         param_bytes=sum(p.local_numel * p.dtype.itemsize for p in group.fsdp_params),
         param_last_bytes=sum(_last_rank_bytes(p, world) for p in group.fsdp_params),
-        unsharded_bytes=0 if group.alias else world * group.plain_numel * gather_unit,
-        gather_in_bytes=group.plain_numel * gather_unit,
+        unsharded_bytes=0 if group.layout.alias else world * group.layout.plain_numel * gather_unit,
+        gather_in_bytes=group.layout.plain_numel * gather_unit,
         grad_bytes=grad_bytes,
         grad_real_bytes=sum(p.local_numel * p.dtype.itemsize for p in trainable),
         grad_last_bytes=sum(_last_rank_bytes(p, world) for p in trainable),
