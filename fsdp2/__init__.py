@@ -8,8 +8,9 @@ from fsdp2.api import (
     replicate,
     share_comm_ctx,
 )
-from fsdp2.debug.checks import CollectiveMismatchError, set_collective_checks
+from fsdp2.debug.checks import CollectiveMismatchError
 from fsdp2.debug.hang import CollectiveFailedError, CollectiveTimeoutError
+from fsdp2.debug.switches import set_collective_checks
 from fsdp2.engine.policies import (
     CPUOffloadPolicy,
     DataParallelMeshDims,

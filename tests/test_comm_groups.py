@@ -18,11 +18,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp2.engine.collectives import (
+from fsdp2.engine.collectives import record_collectives
+from fsdp2.engine.comm import (
     GroupAllocAllGather,
     GroupAllocReduceScatter,
     LowPrecisionReduceScatter,
-    record_collectives,
 )
 from tests.errors import raised
 from tests.harness import IMPL_UNDER_TEST, run_on_ranks

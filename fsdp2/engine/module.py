@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp2.engine.changes import take_up_changes
-from fsdp2.engine.collectives import (
+from fsdp2.engine.comm import (
     AllGather,
     GroupAllocAllGather,
     GroupAllocReduceScatter,

@@ -37,12 +37,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp2.engine import extension
-from fsdp2.engine.collectives import (
-    AllGather,
-    Pending,
-    ReduceScatter,
-    all_gather,
-)
+from fsdp2.engine.collectives import Pending, all_gather
+from fsdp2.engine.comm import AllGather, ReduceScatter
 from fsdp2.engine.extension import Packing
 from fsdp2.engine.mesh import MeshInfo
 from fsdp2.engine.param import FSDPParam, ShardedState, typed

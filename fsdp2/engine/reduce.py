@@ -46,7 +46,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial
 
-from fsdp2.engine.collectives import Pending, ReduceScatter, all_reduce, reduce_scatter
+from fsdp2.engine.collectives import Pending, all_reduce, reduce_scatter
+from fsdp2.engine.comm import ReduceScatter
 from fsdp2.engine.mesh import MeshInfo
 from fsdp2.engine.param import FSDPParam
 
