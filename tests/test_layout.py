@@ -25,13 +25,8 @@ KNOWN_CYCLES = [
         "fsdp2.engine.param_group",
         "fsdp2.engine.reduce",
     ],
-    ["fsdp2", "fsdp2.tools.planner", "fsdp2.tools.swap"],
 ]
-KNOWN_UPWARD = [
-    "fsdp2.tools.planner imports fsdp2",
-    "fsdp2.tools.planner.cli imports fsdp2",
-    "fsdp2.tools.swap imports fsdp2",
-]
+KNOWN_UPWARD: list[str] = []
 
 
 def module_name(path: Path) -> str:
