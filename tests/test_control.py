@@ -468,8 +468,7 @@ def test_reduce_scatter_unused_params_moe(world_size: int, impl: str, fsdp2_only
 
 
 def _custom_comms() -> dict[str, int]:
-    from fsdp2.engine.collectives import record_collectives
-    from fsdp2.engine.comm import AllGather, ReduceScatter
+    from fsdp2 import AllGather, ReduceScatter, record_collectives
 
     counts: Counter[str] = Counter()
 
