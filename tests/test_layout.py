@@ -115,6 +115,18 @@ def test_every_file_has_a_layer() -> None:
     assert not unknown, f"add these to LAYERS (and to the README's layout): {unknown}"
 
 
+def test_readme_layout_has_a_line_per_file() -> None:
+    readme = (PACKAGE.parent / "README.md").read_text()
+    tree = readme[readme.index("## Layout") :].split("```")[1]
+    names = {line.split()[0] for line in tree.splitlines() if line.strip()}
+    missing = sorted(
+        str(p.relative_to(PACKAGE.parent))
+        for p in PACKAGE.rglob("*.py")
+        if p.name not in names and not (p.name == "__init__.py" and p.parent != PACKAGE)
+    )
+    assert not missing, f"the README's Layout has no line for: {missing}"
+
+
 def test_no_import_cycle() -> None:
     found = [c for c in cycles(graph()) if c not in KNOWN_CYCLES]
     assert not found, "import cycles inside fsdp2/:\n" + "\n".join(" <-> ".join(c) for c in found)
