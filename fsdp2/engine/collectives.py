@@ -5,7 +5,7 @@ Every collective goes through :func:`all_gather`, :func:`reduce_scatter`, :func:
 :func:`all_to_all`, the seam where the hang report notes it, the opt-in checks compare it across
 ranks, and :func:`record_collectives` observes it (tests count them, benchmarks sum bytes). Only
 this file and the pluggable collectives in ``comm.py`` (which the seam calls in place of its
-default) call ``torch.distributed``.
+default) issue ``torch.distributed`` collectives.
 """
 
 from __future__ import annotations
