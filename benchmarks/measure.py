@@ -84,11 +84,6 @@ class CommCounts:
     wire: float = 0.0  # bytes received per rank (ring algorithm)
 
 
-def _fsdp2_reduce_scatter_on_gloo() -> bool:
-    collectives = sys.modules.get("fsdp2.engine.collectives")
-    return bool(getattr(collectives, "all_reduce_for_reduce_scatter", False))
-
-
 class CommCounter(TorchDispatchMode):
     """Counts collectives and their bytes, whatever issues them (FSDP, DDP, DTensor, funcol)."""
 
@@ -96,6 +91,30 @@ class CommCounter(TorchDispatchMode):
         super().__init__()
         self.world_size = world_size
         self.counts = CommCounts()
+        self._records: list[Any] = []
+        self._seen = 0
+
+    def __enter__(self) -> Any:
+        # fsdp2 (where loaded) records each collective just before issuing it: how its
+        # reduce-scatter on gloo, an in-place all-reduce, is told from an all-reduce.
+        collectives = sys.modules.get("fsdp2.engine.collectives")
+        self._recording = collectives.record_collectives() if collectives is not None else None
+        if self._recording is not None:
+            self._records = self._recording.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            if self._recording is not None:
+                self._recording.__exit__(None, None, None)
+
+    def _fsdp2_reduce_scatter_on_gloo(self) -> bool:
+        """Call once per collective: whether it is the reduce-scatter fsdp2 just recorded."""
+        fresh = len(self._records) > self._seen
+        self._seen = len(self._records)
+        return fresh and self._records[-1].kind == "reduce_scatter"
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -104,7 +123,7 @@ class CommCounter(TorchDispatchMode):
         if namespace in ("c10d", "_c10d_functional", "c10d_functional") and name not in _IGNORED:
             kind = _KINDS.get(name, "other")
             payload = _payload_bytes(kind, namespace != "c10d", args)
-            if kind == "all_reduce" and _fsdp2_reduce_scatter_on_gloo():
+            if self._fsdp2_reduce_scatter_on_gloo() and kind == "all_reduce":
                 # gloo's reduce-scatter is an all-reduce of a clone of its input; fsdp2 issues
                 # that all-reduce itself, in place: count it as the reduce-scatter it stands for.
                 kind = "reduce_scatter"

@@ -32,8 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fsdp2 from this checkout
-from fsdp2 import fully_shard
-from fsdp2.engine.collectives import record_collectives
+from fsdp2 import fully_shard, record_collectives
 from fsdp2.optim import Muon
 from workloads import DEFAULT_SIZES, ModelSize, build_model, make_batch
 

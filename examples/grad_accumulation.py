@@ -164,7 +164,7 @@ model(x, y)[1].backward()  # the whole local batch at once (sync on: the default
 full_batch = local_grads()
 optimizer.zero_grad()
 if args.impl == "fsdp2":  # fsdp2 reports each collective it issues; count this step's
-    from fsdp2.engine.collectives import record_collectives
+    from fsdp2 import record_collectives
 
     with record_collectives() as records:
         forward_backward(x, y)

@@ -18,8 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fsdp2 import fully_shard
-from fsdp2.engine.collectives import record_collectives
+from fsdp2 import fully_shard, record_collectives
 
 
 class Int8GatherWeight(torch.Tensor):

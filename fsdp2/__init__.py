@@ -1,4 +1,10 @@
-"""fsdp2: per-parameter fully sharded data parallelism, a drop-in for ``torch.distributed.fsdp``."""
+"""fsdp2: per-parameter fully sharded data parallelism, a drop-in for ``torch.distributed.fsdp``.
+
+The public surface is this module's ``__all__`` and the :mod:`fsdp2.optim` subpackage's
+``__all__``; ``python -m fsdp2.plan`` is the planner's command line. Everything under
+``fsdp2.engine``, ``fsdp2.debug`` and ``fsdp2.tools`` is internal and may change without notice:
+import the names from here.
+"""
 
 from fsdp2.api import (
     FSDPModule,
@@ -8,14 +14,18 @@ from fsdp2.api import (
     replicate,
     share_comm_ctx,
 )
-from fsdp2.debug.checks import CollectiveMismatchError, set_collective_checks
+from fsdp2.debug.checks import CollectiveMismatchError
 from fsdp2.debug.hang import CollectiveFailedError, CollectiveTimeoutError
+from fsdp2.debug.switches import set_collective_checks
+from fsdp2.engine.collectives import CollectiveRecord, record_collectives
+from fsdp2.engine.comm import AllGather, Comm, LowPrecisionReduceScatter, ReduceScatter
 from fsdp2.engine.policies import (
     CPUOffloadPolicy,
     DataParallelMeshDims,
     MixedPrecisionPolicy,
     OffloadPolicy,
 )
+from fsdp2.engine.traced import set_traced
 from fsdp2.tools.auto import AutoShardResult, auto_shard
 from fsdp2.tools.full_params import summon_full_params
 from fsdp2.tools.grad_scaler import ShardedGradScaler
@@ -23,25 +33,32 @@ from fsdp2.tools.planner import Plan, plan
 from fsdp2.tools.swap import patch_torch_fsdp
 
 __all__ = [
+    "AllGather",
     "AutoShardResult",
     "CPUOffloadPolicy",
     "CollectiveFailedError",
     "CollectiveMismatchError",
+    "CollectiveRecord",
     "CollectiveTimeoutError",
+    "Comm",
     "DataParallelMeshDims",
     "FSDPModule",
+    "LowPrecisionReduceScatter",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "Plan",
+    "ReduceScatter",
     "ShardedGradScaler",
     "UnshardHandle",
     "auto_shard",
     "fully_shard",
     "patch_torch_fsdp",
     "plan",
+    "record_collectives",
     "register_fsdp_forward_method",
     "replicate",
     "set_collective_checks",
+    "set_traced",
     "share_comm_ctx",
     "summon_full_params",
 ]

@@ -90,12 +90,48 @@ def fully_shard(
     Call it on submodules first (e.g. each transformer block), then on the root. The parameters
     of this call that no earlier call claimed form one group: gathered in one all-gather before
     the module's forward (and again before its backward if resharded), their gradients
-    averaged over the data-parallel ranks in one reduce-scatter after its backward.
+    averaged over the data-parallel ranks in one reduce-scatter after its backward. Parameters
+    become sharded ``DTensor``s, so build the optimizer after sharding. The module's class
+    becomes ``FSDP<Class>``, a subclass that adds :class:`FSDPModule`'s methods.
 
-    ``reshard_after_forward``: ``True`` frees the gathered parameters after forward and gathers
-    again in backward; ``False`` keeps them until backward ends; ``None`` (default) means
-    ``False`` for the root and ``True`` for every other module. A list of modules makes one group
-    shared by all of them.
+    Args:
+        module: the module to shard, or a list of modules that then share one group (one
+            all-gather, one reduce-scatter), e.g. tied ``[embedding, lm_head]``. Not an
+            ``nn.ModuleList``/``nn.ModuleDict`` (no forward to hook), nor a module already
+            sharded.
+        mesh: a 1-D ``DeviceMesh`` to shard over (FSDP), or a 2-D one (HSDP: replicate over
+            dim 0, shard over dim 1; gradients reduce-scattered within a replica, then
+            all-reduced across replicas). Default: a 1-D mesh over the default process group
+            on the current accelerator, else CPU.
+        reshard_after_forward: ``True`` frees the gathered parameters after forward and
+            gathers again in backward; ``False`` keeps them until backward ends; ``None``
+            (default) means ``False`` for the root and ``True`` for every other module; an int
+            k (a divisor of the shard size) keeps them sharded over k ranks after forward, so
+            backward gathers within that smaller group (1 means ``False``, the shard size
+            ``True``).
+        shard_placement_fn: called with each parameter; returns ``None`` (shard dim 0) or a
+            ``Shard(dim)`` to shard that dim instead (any dim, uneven sizes included). A result
+            with ``.placement`` and ``.mesh_info.mesh`` (torch's ``ShardPlacementResult``) on
+            another mesh puts that parameter in a group of its own over that mesh. Default:
+            dim 0 for every parameter.
+        mp_policy: mixed precision: the dtypes parameters are gathered in and gradients
+            reduced in, and the casts of forward inputs and outputs (see
+            :class:`MixedPrecisionPolicy`). Default: every tensor keeps its dtype.
+        offload_policy: ``CPUOffloadPolicy()`` keeps the sharded parameters and their
+            gradients on the CPU (the optimizer steps there), gathering to the device for
+            compute; the default ``OffloadPolicy()`` offloads nothing.
+        ignored_params: parameters this call leaves alone: not sharded, not gathered, their
+            gradients not reduced (manage them yourself).
+        dp_mesh_dims: on a mesh that also carries other parallelisms (a full SPMD mesh whose
+            parameters are already DTensors), the names of its data-parallel dims
+            (:class:`DataParallelMeshDims`); ``mesh`` is then that whole mesh.
+
+    Returns:
+        ``module`` itself, now an :class:`FSDPModule` (a list of them for a list).
+
+    Raises:
+        ValueError / TypeError: for a bad argument, on every rank, before anything changed.
+        RuntimeError: without an initialized process group and no ``mesh``.
     """
     modules = tuple(module) if isinstance(module, list) else (module,)
     _check_modules(modules)
@@ -128,9 +164,24 @@ def replicate(
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> ReplicateModule | list[ReplicateModule]:
-    """Data parallelism without sharding (DDP semantics) on fsdp2's runtime: every rank keeps
-    whole parameters (``Replicate()`` DTensors) and gradients are all-reduced, one collective
-    per call, after its backward. Same bottom-up usage as ``fully_shard``."""
+    """Data parallelism without sharding (DDP semantics) on fsdp2's runtime.
+
+    Every rank keeps whole parameters (``Replicate()`` DTensors) and gradients are all-reduced,
+    one collective per call, after its backward. Same bottom-up usage as :func:`fully_shard`;
+    the module's class becomes ``Replicate<Class>``, with :class:`FSDPModule`'s methods.
+
+    Args:
+        module: the module, or a list of modules sharing one all-reduce.
+        mesh: a 1-D ``DeviceMesh`` to replicate over (default: the default process group's).
+        mp_policy: mixed precision, as for :func:`fully_shard`.
+        offload_policy: CPU offload, as for :func:`fully_shard`.
+        ignored_params: parameters left alone, as for :func:`fully_shard`.
+        dp_mesh_dims: the replicate dim's name on a larger SPMD mesh
+            (``DataParallelMeshDims(replicate=...)``), as for :func:`fully_shard`.
+
+    Returns:
+        ``module`` itself (a list of them for a list).
+    """
     modules = tuple(module) if isinstance(module, list) else (module,)
     _check_modules(modules)
     _check_policies(mp_policy, offload_policy)
@@ -374,7 +425,14 @@ def _wrapped_class(cls: type, kind: type, prefix: str) -> type:
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
-    """Run fsdp2's forward hooks around ``module.<method_name>`` too (e.g. ``generate``)."""
+    """Run fsdp2's forward hooks around ``module.<method_name>`` too (e.g. ``generate``), so
+    that calling it gathers the parameters first, as ``module(...)`` does.
+
+    Args:
+        module: a module ``fully_shard`` was applied to; any other module is left as it is
+            (as in torch, so that the same code runs with and without sharding).
+        method_name: the name of the method to hook; it must exist on ``module``.
+    """
     state = state_of(module)
     if state is None:
         return  # as in torch: the same code runs with and without fsdp2
@@ -390,9 +448,13 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
 
 def share_comm_ctx(modules: list[FSDPModule]) -> None:
-    """Accepted for compatibility. fsdp2 issues every collective from the calling thread in
-    program order, so there are no per-root streams or buffers to share; this only checks its
-    input."""
+    """Accepted for compatibility with torch. fsdp2 issues every collective from the calling
+    thread in program order, so there are no per-root streams or buffers to share; this only
+    checks its input.
+
+    Args:
+        modules: the root ``FSDPModule``s that would share communication state in torch.
+    """
     for mod in modules:
         if not isinstance(mod, FSDPModule):
             raise ValueError(f"share_comm_ctx expects FSDPModules, got {type(mod).__name__}")

@@ -1,25 +1,24 @@
 """``python -m fsdp2.plan MODULE:BUILD [--shard MODULE:SHARD] --world-size 8,64,1024``.
 
-``fsdp2.plan`` itself is the planner function (exported by ``fsdp2/__init__.py``); this module
-only makes it runnable. Should it ever be imported as ``fsdp2.plan`` (which replaces the
-package attribute), it stays callable as the function."""
+Only the command line's entry point (the CLI itself is ``fsdp2/tools/planner/cli.py``). The name
+``fsdp2.plan`` is the planner *function* (``fsdp2/__init__.py``): ``python -m`` runs this file as
+``__main__`` and leaves that name alone, whereas importing this file as ``fsdp2.plan`` would
+replace the function with this module in the package, so that import is refused.
+"""
 
 from __future__ import annotations
 
 import sys
-import types
-from typing import Any
 
-from fsdp2.tools.planner import plan as _plan
 from fsdp2.tools.planner.cli import main
 
-
-class _CallablePlanModule(types.ModuleType):
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return _plan(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallablePlanModule
+if __name__ == "fsdp2.plan":
+    raise ImportError(
+        "fsdp2.plan is the planner function (call fsdp2.plan(...) after `import fsdp2`), and "
+        "`python -m fsdp2.plan` its command line; the module fsdp2/plan.py is only that entry "
+        "point and is not imported. For the command line from Python, use "
+        "fsdp2.tools.planner.cli.main(argv)"
+    )
 
 if __name__ == "__main__":
     sys.exit(main())

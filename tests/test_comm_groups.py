@@ -18,12 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp2.engine.collectives import (
-    GroupAllocAllGather,
-    GroupAllocReduceScatter,
-    LowPrecisionReduceScatter,
-    record_collectives,
-)
+from fsdp2 import LowPrecisionReduceScatter, record_collectives
+from fsdp2.engine.comm import GroupAllocAllGather, GroupAllocReduceScatter
 from tests.errors import raised
 from tests.harness import IMPL_UNDER_TEST, run_on_ranks
 from tests.parity import Lockstep, fsdp_modules, shard_model

@@ -16,7 +16,7 @@ NUM_STEPS = 3
 
 
 def _custom_comms() -> dict[str, int]:
-    from fsdp2.engine.collectives import AllGather, ReduceScatter, record_collectives
+    from fsdp2 import AllGather, ReduceScatter, record_collectives
 
     counts: Counter[str] = Counter()
 

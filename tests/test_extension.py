@@ -117,7 +117,7 @@ def test_uneven_extension_parameter_on_another_dim_is_refused() -> None:
 
 def _low_precision_reduce(comm_dtype: torch.dtype) -> dict[str, object]:
     import fsdp2
-    from fsdp2.engine.collectives import LowPrecisionReduceScatter, record_collectives
+    from fsdp2 import LowPrecisionReduceScatter, record_collectives
 
     rank = dist.get_rank()
     reference, model = _mlp(0), _mlp(0)

@@ -21,13 +21,12 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-from fsdp2.engine import collectives
 from tests.harness import fsdp_api, run_on_ranks
 from tests.models import Batch
 from tests.parity import CollectiveCounter, Lockstep
+from tests.parity.lockstep import SeamAwareMode
 
 pytestmark = pytest.mark.usefixtures("fsdp2_only")  # runs torch's fully_shard itself
 
@@ -143,7 +142,7 @@ class Passing(nn.Module):
         return F.mse_loss(self.head(x), y)
 
 
-class Sequence(TorchDispatchMode):
+class Sequence(SeamAwareMode):
     """The c10d collectives in issue order: "AG" or "RS" (fsdp2's in-place all-reduce on gloo
     is its reduce-scatter)."""
 
@@ -157,11 +156,10 @@ class Sequence(TorchDispatchMode):
         namespace, _, name = func._schema.name.partition("::")
         name = name.replace("_", "")
         if namespace == "c10d":
+            seam_reduce_scatter = self._is_fsdp2_reduce_scatter()
             if "allgather" in name:
                 self.ops.append("AG")
-            elif "reducescatter" in name or (
-                "allreduce" in name and collectives.all_reduce_for_reduce_scatter
-            ):
+            elif "reducescatter" in name or ("allreduce" in name and seam_reduce_scatter):
                 self.ops.append("RS")
             else:
                 self.ops.append(name)

@@ -258,16 +258,6 @@ def test_plan_7b_at_scale_allocates_nothing() -> None:
     assert "auto_shard" in plans[0].notes[0]
 
 
-def test_fallback_without_auto_shard(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where fsdp2.auto_shard is missing, each repeated block and then the root, and says so."""
-    monkeypatch.delattr(fsdp2, "auto_shard")
-    plan = fsdp2.plan(MODELS["mlp"].build, world_size=2)
-    assert [g.label for g in plan.groups] == ["", "blocks.0", "blocks.1", "blocks.2"]
-    assert plan.notes == [
-        "no shard function given: sharded each repeated block, then the root (planner's fallback)"
-    ]
-
-
 class TestPlanErrors(expecttest.TestCase):
     def test_build_allocating_real_memory(self) -> None:
         def huge() -> nn.Module:  # a 40 GB layer, built with an explicit device
@@ -343,6 +333,16 @@ def test_module_entry_point() -> None:
     ).stdout
     assert "held between steps" in out
     assert callable(fsdp2.plan)
+
+
+def test_plan_module_is_only_the_entry_point() -> None:
+    """Importing fsdp2/plan.py as ``fsdp2.plan`` would replace the planner function in the
+    package: it is refused, and the function stays."""
+    import importlib
+
+    with pytest.raises(ImportError, match=r"fsdp2\.plan is the planner function"):
+        importlib.import_module("fsdp2.plan")
+    assert callable(fsdp2.plan) and fsdp2.plan.__name__ == "plan"
 
 
 class TestPlanText(expecttest.TestCase):

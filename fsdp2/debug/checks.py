@@ -18,7 +18,6 @@ to the host, a synchronisation per collective: this is a debugging mode.
 from __future__ import annotations
 
 import hashlib
-import os
 import struct
 from collections.abc import Callable
 from functools import lru_cache
@@ -31,8 +30,6 @@ from fsdp2.debug import hang
 __all__ = [
     "FINGERPRINT_BYTES",
     "CollectiveMismatchError",
-    "enabled",
-    "set_collective_checks",
     "verify",
 ]
 
@@ -41,22 +38,9 @@ _HEADER = struct.Struct("<qqq8s16s")  # op, numel, seq, label hash, dtype name: 
 _LABEL_BYTES = FINGERPRINT_BYTES - _HEADER.size
 _OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
-_enabled = os.environ.get("FSDP2_CHECK_COLLECTIVES", "0") not in ("", "0")
-
 
 class CollectiveMismatchError(RuntimeError):
     """The ranks of a process group were about to issue different collectives."""
-
-
-def set_collective_checks(enabled: bool) -> None:
-    """Turn the cross-rank collective checks on or off in this process (call it on every rank,
-    at the same point of the program; ``FSDP2_CHECK_COLLECTIVES=1`` does it from the start)."""
-    global _enabled
-    _enabled = bool(enabled)
-
-
-def enabled() -> bool:
-    return _enabled
 
 
 @lru_cache(maxsize=4096)

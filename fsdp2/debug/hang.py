@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
+from fsdp2.debug import switches
 from fsdp2.debug import waiting as waits
 from fsdp2.debug.waiting import group_name, timeout_s
 
@@ -412,9 +413,7 @@ def _failure_cause(said: str) -> str:
 
 
 def _checks_hint() -> str:
-    from fsdp2.debug import checks
-
-    if checks.enabled():
+    if switches.checks_enabled:
         return "(Collective checks are on: the ranks agreed on every collective before this one.)"
     return (
         "FSDP2_CHECK_COLLECTIVES=1 stops at the first collective where the ranks disagree, "

@@ -1,17 +1,17 @@
-"""The only place fsdp2 talks to ``torch.distributed``: all-gather, reduce-scatter, all-reduce and
+"""The seam every collective of fsdp2 passes through: all-gather, reduce-scatter, all-reduce and
 all-to-all (the last for matrix optimizers, :mod:`fsdp2.optim`).
 
 Every collective goes through :func:`all_gather`, :func:`reduce_scatter`, :func:`all_reduce` or
-:func:`all_to_all`, the seam where :func:`record_collectives` observes them (tests count them,
-benchmarks sum bytes).
+:func:`all_to_all`, the seam where the hang report notes it, the opt-in checks compare it across
+ranks, and :func:`record_collectives` observes it (tests count them, benchmarks sum bytes). Only
+this file and the pluggable collectives in ``comm.py`` (which the seam calls in place of its
+default) issue ``torch.distributed`` collectives.
 """
 
 from __future__ import annotations
 
-import math
 import weakref
-from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal, cast
@@ -19,24 +19,18 @@ from typing import Literal, cast
 import torch
 import torch.distributed as dist
 
-from fsdp2.debug import checks, hang
+from fsdp2.debug import checks, hang, switches
 
 __all__ = [
-    "AllGather",
+    "CollectiveKind",
     "CollectiveRecord",
-    "Comm",
-    "GroupAllocAllGather",
-    "GroupAllocReduceScatter",
-    "LowPrecisionReduceScatter",
     "Pending",
-    "ReduceScatter",
-    "SymmMemAllGather",
-    "SymmMemReduceScatter",
     "agree_ints",
     "agree_objects",
     "all_gather",
     "all_reduce",
     "all_to_all",
+    "record",
     "record_collectives",
     "reduce_scatter",
 ]
@@ -50,7 +44,19 @@ CollectiveKind = Literal[
 
 @dataclass(frozen=True)
 class CollectiveRecord:
-    """One collective issued by this rank."""
+    """One collective issued by this rank, as :func:`record_collectives` lists it.
+
+    Attributes:
+        kind: ``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"``, ``"all_to_all"``;
+            ``"agree"`` for the small exchanges that make every rank raise alike (at
+            ``fully_shard`` and at the first forward), ``"check"`` for the collective checks'
+            fingerprints.
+        label: which modules' group issued it (their FQNs, comma-joined; ``""`` for the root).
+        input_nbytes: bytes of this rank's input.
+        output_nbytes: bytes of this rank's output.
+        world_size: the size of the process group it ran on.
+        group: that process group's name (``ProcessGroup.group_name``).
+    """
 
     kind: CollectiveKind
     label: str  # comma-joined FQNs of the modules of the group ("" for the root module)
@@ -62,6 +68,11 @@ class CollectiveRecord:
 
 _recorders: list[list[CollectiveRecord]] = []
 
+# What the seam calls in place of its default all-gather / reduce-scatter (``comm.py``'s classes):
+# ``(output, input, group, async_op=...)``, and ``op`` before ``async_op`` for a reduce-scatter.
+GatherFn = Callable[..., "dist.Work | None"]
+ScatterFn = Callable[..., "dist.Work | None"]
+
 # torch 2.13 renamed the tensor-in, tensor-out collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -69,7 +80,18 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 @contextmanager
 def record_collectives() -> Iterator[list[CollectiveRecord]]:
-    """Collect a :class:`CollectiveRecord` for every collective fsdp2 issues while active."""
+    """Record every collective fsdp2 issues while the context is active, on this rank.
+
+    Yields a list that fills with one :class:`CollectiveRecord` per collective, in issue order,
+    appended just before the collective is issued (nested contexts each get every record).
+
+    Example::
+
+        with record_collectives() as records:
+            loss = model(x).sum()
+            loss.backward()
+        num_gathers = sum(r.kind == "all_gather" for r in records)
+    """
     records: list[CollectiveRecord] = []
     _recorders.append(records)
     try:
@@ -78,10 +100,19 @@ def record_collectives() -> Iterator[list[CollectiveRecord]]:
         _recorders.remove(records)
 
 
+def record(
+    kind: CollectiveKind, label: str, inp: torch.Tensor, out: torch.Tensor, group: dist.ProcessGroup
+) -> None:
+    """Hand a collective about to be issued to every active :func:`record_collectives` (for
+    collectives issued inside a pluggable one, ``comm.py``)."""
+    if _recorders:
+        _record(kind, label, inp, out, group)
+
+
 def _record(
     kind: CollectiveKind, label: str, inp: torch.Tensor, out: torch.Tensor, group: dist.ProcessGroup
 ) -> None:
-    record = CollectiveRecord(
+    entry = CollectiveRecord(
         kind,
         label,
         inp.numel() * inp.element_size(),
@@ -90,7 +121,7 @@ def _record(
         group.group_name,
     )
     for records in _recorders:
-        records.append(record)
+        records.append(entry)
 
 
 class Pending:
@@ -130,224 +161,15 @@ class Pending:
         return self._work is None or self._work.is_completed()
 
 
-class Comm(ABC):
-    """A user-supplied collective: where its buffers come from, and how it runs."""
-
-    @abstractmethod
-    def allocate(
-        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        """Return an uninitialised buffer of ``size`` for this collective to write into."""
-
-
-class AllGather(Comm):
-    """Replaces the group's all-gather: ``output`` gets every rank's ``input``, rank-major."""
-
-    @abstractmethod
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        async_op: bool = False,
-    ) -> dist.Work | None: ...
-
-
-class ReduceScatter(Comm):
-    """Replaces the group's reduce-scatter: ``output`` gets this rank's reduced chunk."""
-
-    @abstractmethod
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        op: dist.ReduceOp.RedOpType,
-        async_op: bool = False,
-    ) -> dist.Work | None: ...
-
-
-class LowPrecisionReduceScatter(ReduceScatter):
-    """Send gradients in ``comm_dtype`` (e.g. bf16: half the bytes of fp32) but add them up in
-    the reduce dtype: an all-to-all hands each rank every rank's low-precision copy of its
-    chunk, and the sum happens locally at full precision, so rounding happens once per value
-    sent instead of at every step of a ring reduction. Install with
-    ``module.set_custom_reduce_scatter(LowPrecisionReduceScatter(torch.bfloat16))``."""
-
-    def __init__(self, comm_dtype: torch.dtype = torch.bfloat16) -> None:
-        self.comm_dtype = comm_dtype
-
-    def allocate(
-        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        return torch.empty(size, dtype=dtype, device=device)
-
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        op: dist.ReduceOp.RedOpType,
-        async_op: bool = False,
-    ) -> dist.Work | None:
-        world = group.size()
-        sent = input_tensor.to(self.comm_dtype)
-        received = torch.empty_like(sent)
-        if _recorders:
-            _record("all_to_all", "low-precision reduce-scatter", sent, received, group)
-        dist.all_to_all_single(received, sent, group=group)
-        torch.sum(received.view(world, -1), dim=0, dtype=output_tensor.dtype, out=output_tensor)
-        if op == dist.ReduceOp.AVG:
-            output_tensor.div_(world)
-        return None
-
-
-class GroupAllocAllGather(AllGather):
-    """The default all-gather with its output buffer from the process group's own allocator
-    (``FSDPModule.set_allocate_memory_from_process_group_for_comm``): e.g. memory NCCL has
-    registered for zero-copy transfers. Plain memory where the backend has none (gloo)."""
-
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
-
-    def allocate(
-        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        return _group_allocate(self.group, size, dtype, device)
-
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        async_op: bool = False,
-    ) -> dist.Work | None:
-        work: dist.Work | None = _all_gather_single(
-            output_tensor, input_tensor, group=group, async_op=async_op
-        )
-        return work
-
-
-class GroupAllocReduceScatter(ReduceScatter):
-    """The default reduce-scatter with both buffers from the process group's own allocator
-    (see :class:`GroupAllocAllGather`)."""
-
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
-
-    def allocate(
-        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        return _group_allocate(self.group, size, dtype, device)
-
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        op: dist.ReduceOp.RedOpType,
-        async_op: bool = False,
-    ) -> dist.Work | None:
-        work: dist.Work | None = _reduce_scatter_single(
-            output_tensor, input_tensor, op=op, group=group, async_op=async_op
-        )
-        return work
-
-
-def _group_allocate(
-    group: dist.ProcessGroup,
-    size: Sequence[int | torch.SymInt],
-    dtype: torch.dtype,
-    device: torch.device,
-) -> torch.Tensor:
-    backend = group._get_backend(device)
-    if backend.supports_tensor_alloc(device):
-        numel = math.prod(int(s) for s in size)
-        return backend.allocate_tensor(numel, dtype=dtype, device=device).view(size)
-    return torch.empty(size, dtype=dtype, device=device)
-
-
-class SymmMemAllGather(GroupAllocAllGather):
-    """The default all-gather into a symmetric-memory buffer (CUDA + NCCL only), which lets NCCL
-    use its copy-engine or symmetric-kernel all-gather (``FSDPModule.set_symm_mem_for_comm``)."""
-
-    def __init__(self, group: dist.ProcessGroup, backend: Literal["NCCL"] = "NCCL") -> None:
-        super().__init__(group)
-        _init_symm_mem(group, backend)
-
-    def allocate(
-        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        return _symm_mem_empty(size, dtype, device)
-
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        async_op: bool = False,
-    ) -> dist.Work | None:
-        from torch.distributed import _symmetric_memory as symm_mem
-
-        symm_mem.rendezvous(output_tensor, group=group.group_name)  # cached per buffer
-        return super().__call__(output_tensor, input_tensor, group, async_op)
-
-
-class SymmMemReduceScatter(GroupAllocReduceScatter):
-    """The default reduce-scatter on symmetric-memory buffers (CUDA + NCCL only). NCCL's
-    symmetric reduce-scatter only sums: installed only with ``set_force_sum_reduction_for_comms``."""
-
-    def __init__(self, group: dist.ProcessGroup, backend: Literal["NCCL"] = "NCCL") -> None:
-        super().__init__(group)
-        _init_symm_mem(group, backend)
-
-    def allocate(
-        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        return _symm_mem_empty(size, dtype, device)
-
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        op: dist.ReduceOp.RedOpType,
-        async_op: bool = False,
-    ) -> dist.Work | None:
-        from torch.distributed import _symmetric_memory as symm_mem
-
-        symm_mem.rendezvous(input_tensor, group=group.group_name)
-        symm_mem.rendezvous(output_tensor, group=group.group_name)
-        return super().__call__(output_tensor, input_tensor, group, op, async_op)
-
-
-def _init_symm_mem(group: dist.ProcessGroup, backend: Literal["NCCL"]) -> None:
-    from torch.distributed import _symmetric_memory as symm_mem
-
-    symm_mem.set_backend(backend)
-    # The first rendezvous needs the NCCL communicator, which NCCL creates lazily: a barrier
-    # creates it now, once, instead of inside the first gather.
-    dist.barrier(group=group)
-
-
-def _symm_mem_empty(
-    size: Sequence[int | torch.SymInt], dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    from torch.distributed import _symmetric_memory as symm_mem
-
-    # Buffers come from (and return to) symmetric memory's pool: no new registration per step.
-    with torch.cuda.use_mem_pool(symm_mem.get_mem_pool(device)):
-        return torch.empty(size, dtype=dtype, device=device)
-
-
 def all_gather(
     out: torch.Tensor,
     inp: torch.Tensor,
     group: dist.ProcessGroup,
     label: str,
-    comm: AllGather | None = None,
+    comm: GatherFn | None = None,
 ) -> Pending:
-    """Gather every rank's ``inp`` (1-D, same size everywhere) into ``out``, rank-major."""
+    """Gather every rank's ``inp`` (1-D, same size everywhere) into ``out``, rank-major; with
+    ``comm`` (a :class:`~fsdp2.engine.comm.AllGather`), through it."""
     event = _note("all_gather", label, inp, out, group)
     if comm is not None:
         return Pending(comm(out, inp, group, async_op=True), event, inp.device)
@@ -360,9 +182,10 @@ def reduce_scatter(
     group: dist.ProcessGroup,
     label: str,
     op: dist.ReduceOp.RedOpType,
-    comm: ReduceScatter | None = None,
+    comm: ScatterFn | None = None,
 ) -> Pending:
-    """Reduce ``inp`` (rank-major chunks) over ranks; this rank's chunk lands in ``out``."""
+    """Reduce ``inp`` (rank-major chunks) over ranks; this rank's chunk lands in ``out``; with
+    ``comm`` (a :class:`~fsdp2.engine.comm.ReduceScatter`), through it."""
     event = _note("reduce_scatter", label, inp, out, group)
     if comm is not None:
         return Pending(comm(out, inp, group, op, async_op=True), event, inp.device)
@@ -371,19 +194,15 @@ def reduce_scatter(
         # chunk when waited on; its work ignores wait()'s timeout and never reports is_completed().
         # ``inp`` is our own scratch buffer: all-reduce it in place (the same algorithm on the
         # same bytes, so bitwise the same result) with a work that honours both, and no clone.
-        global all_reduce_for_reduce_scatter
-        all_reduce_for_reduce_scatter = True  # c10d sees an all-reduce: lets tests tell
-        try:
-            work = dist.all_reduce(inp, op=op, group=group, async_op=True)
-        finally:
-            all_reduce_for_reduce_scatter = False
+        # (c10d sees an all-reduce: observers below the seam tell it by the "reduce_scatter"
+        # record just before it.)
+        work = dist.all_reduce(inp, op=op, group=group, async_op=True)
         chunk = inp.view(group.size(), -1)[group.rank()]
         return Pending(work, event, inp.device, then=(out, chunk))
     work = _reduce_scatter_single(out, inp, op=op, group=group, async_op=True)
     return Pending(work, event, inp.device)
 
 
-all_reduce_for_reduce_scatter = False  # True while issuing such an all-reduce
 _GLOO = getattr(dist, "ProcessGroupGloo", None)  # absent from builds without gloo
 # Per process group (weakly: a destroyed group goes), per device type: whether gloo runs it.
 _gloo_groups: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[str, bool]] = (
@@ -424,7 +243,7 @@ def _note(
 ) -> hang.Event:
     """Before issuing: the event ring (always), the cross-rank check (opt-in), the records."""
     event = hang.note(kind, label, inp, group)
-    if checks._enabled:
+    if switches.checks_enabled:
         if _recorders:
             size = checks.FINGERPRINT_BYTES
             check = CollectiveRecord("check", label, size, size * group.size(), group.size())

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp2.engine.changes import take_up_changes
-from fsdp2.engine.collectives import (
+from fsdp2.engine.comm import (
     AllGather,
     GroupAllocAllGather,
     GroupAllocReduceScatter,
@@ -34,7 +34,13 @@ def state_of(module: nn.Module) -> FSDPState | None:
 
 
 class FSDPModule:
-    """Mixed into every module ``fully_shard`` was applied to (as ``FSDP<OriginalClass>``)."""
+    """Mixed into every module ``fully_shard`` was applied to (as ``FSDP<OriginalClass>``).
+
+    Its methods control when the module's group gathers and frees its parameters and how its
+    gradients are reduced. A method with ``recurse`` applies to every fsdp2 module under this
+    one (itself included) by default, or to this module's own group only with
+    ``recurse=False``; one without applies to this module's own group.
+    """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # Containers build new instances of their own class (e.g. slicing nn.Sequential): those
@@ -96,7 +102,12 @@ class FSDPModule:
     # -- explicit control -------------------------------------------------------------------------
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        """Gather this module's parameters now; with ``async_op`` return a handle to wait on."""
+        """Gather this module's parameters now (e.g. ahead of its forward, to overlap).
+
+        Args:
+            async_op: ``False`` (default) waits for the all-gather and returns ``None``;
+                ``True`` returns an :class:`UnshardHandle` whose ``wait()`` finishes it.
+        """
         state = self._get_fsdp_state()
         if state.ctx is None:
             state._lazy_init()
@@ -110,13 +121,15 @@ class FSDPModule:
         return None
 
     def reshard(self) -> None:
-        """Free this module's gathered parameters and register the sharded ones."""
+        """Free this module's gathered parameters and register the sharded ones. Takes no
+        arguments."""
         for group in self._groups(recurse=False):
             group.reshard()
 
     def reset_iter_state(self) -> None:
         """After forward or backward raised: drop that iteration's collectives, gradients and
-        gathered parameters so the next iteration runs cleanly. Call it on the root."""
+        gathered parameters so the next iteration runs cleanly. Call it on the root (the next
+        forward does it too). Takes no arguments."""
         state = self._get_fsdp_state()
         if state.ctx is None:
             return  # never ran: nothing to reset
@@ -129,22 +142,41 @@ class FSDPModule:
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Gather these modules' parameters when this module's forward starts (replacing the
-        recorded-order prefetch)."""
+        recorded-order prefetch).
+
+        Args:
+            modules: ``FSDPModule``s to gather, in this order; ``[]`` prefetches nothing.
+        """
         self._get_fsdp_state().forward_prefetch = _groups_of(modules, "forward")
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """Gather these modules' parameters when this module's backward starts."""
+        """Gather these modules' parameters when this module's backward starts.
+
+        Args:
+            modules: ``FSDPModule``s to gather, in this order; ``[]`` prefetches nothing.
+        """
         self._get_fsdp_state().backward_prefetch = _groups_of(modules, "backward")
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
-        """``False`` for modules whose backward needs none of their parameters."""
+        """Whether this module's backward gathers its parameters.
+
+        Args:
+            unshard_in_backward: ``False`` for modules whose backward needs none of their
+                parameters (saves the all-gather); default ``True``.
+        """
         for group in self._groups(recurse=False):
             group.settings.unshard_in_backward = unshard_in_backward
 
     # -- when to free -----------------------------------------------------------------------------
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
-        """Whether to free gathered parameters after forward."""
+        """Whether to free gathered parameters after forward (see ``fully_shard``).
+
+        Args:
+            reshard_after_forward: ``True`` frees them (backward gathers again), ``False``
+                keeps them gathered until backward.
+            recurse: every fsdp2 module under this one (default), or this one only.
+        """
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(
                 f"set_reshard_after_forward expects a bool, got {reshard_after_forward!r}"
@@ -158,8 +190,13 @@ class FSDPModule:
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
     ) -> None:
-        """Whether to free gathered parameters after backward (``False`` keeps them gathered
-        across gradient-accumulation micro-steps)."""
+        """Whether to free gathered parameters after backward.
+
+        Args:
+            reshard_after_backward: ``True`` (default) frees them; ``False`` keeps them gathered
+                across gradient-accumulation micro-steps.
+            recurse: every fsdp2 module under this one (default), or this one only.
+        """
         for group in self._groups(recurse):
             group.settings.reshard_after_backward = reshard_after_backward
 
@@ -168,32 +205,59 @@ class FSDPModule:
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True
     ) -> None:
-        """``False``: backward accumulates local, unreduced gradients (no communication) until
-        a backward with ``True`` reduces their sum once."""
+        """Whether backward reduces gradients across ranks.
+
+        Args:
+            requires_gradient_sync: ``False``: backward accumulates local, unreduced gradients
+                (no communication) until a backward with ``True`` (default) reduces their sum
+                once.
+            recurse: every fsdp2 module under this one (default), or this one only.
+        """
         for group in self._groups(recurse):
             group.settings.requires_gradient_sync = requires_gradient_sync
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """``False``: the next backward does not wait for its last reduce-scatters at its end."""
+        """Whether the next backward is the last before the optimizer step.
+
+        Args:
+            is_last_backward: ``False``: the next backward does not wait for its last
+                reduce-scatters at its end (pipelining's micro-batches); default ``True``.
+        """
         state = self._get_fsdp_state()
         if state.ctx is None:
             state._lazy_init()
         state.require_ctx().is_last_backward = is_last_backward
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """For HSDP's replicate axis; with a 1-D mesh there is no all-reduce to skip."""
+        """Whether HSDP all-reduces gradients across replicas after the reduce-scatter.
+
+        Args:
+            requires_all_reduce: ``False`` defers the all-reduce over the replicate axis
+                (accumulate within each replica); default ``True``. With a 1-D mesh there is
+                no all-reduce to skip.
+            recurse: every fsdp2 module under this one (default), or this one only.
+        """
         for group in self._groups(recurse):
             group.settings.requires_all_reduce = requires_all_reduce
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide summed gradients by ``factor`` instead of averaging over the ranks."""
+        """Divide summed gradients by ``factor`` instead of averaging over the ranks.
+
+        Args:
+            factor: a positive number (e.g. the global number of tokens, for a sum-reduced
+                loss); the world size gives the default average.
+        """
         if not factor > 0:
             raise ValueError(f"set_gradient_divide_factor expects a positive factor, got {factor}")
         for group in self._groups(recurse=False):
             group.settings.divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
-        """Deprecated name of :meth:`set_gradient_divide_factor`."""
+        """Deprecated name of :meth:`set_gradient_divide_factor` (warns).
+
+        Args:
+            factor: as for :meth:`set_gradient_divide_factor`.
+        """
         warnings.warn(
             "set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor",
             FutureWarning,
@@ -202,22 +266,39 @@ class FSDPModule:
         self.set_gradient_divide_factor(factor)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Reduce with SUM only and divide afterwards (for backends without AVG)."""
+        """Reduce with SUM only and divide afterwards (for backends without AVG).
+
+        Args:
+            enable: ``True`` for SUM reductions; ``False`` (default) lets the backend average.
+        """
         for group in self._groups(recurse=False):
             group.settings.force_sum_reduction = enable
 
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True
     ) -> None:
-        """Reduce zeros for parameters that got no gradient on this rank, so ranks whose
-        control flow differs (MoE routing, optional branches) still issue matching collectives."""
+        """Whether parameters without a gradient are reduce-scattered too (as zeros).
+
+        Args:
+            reduce_scatter_unused_params: ``True`` reduces zeros for parameters that got no
+                gradient (MoE experts routed no tokens), also for a group no backward reached,
+                and sends no per-parameter "used" flags. ``False`` (default): fsdp2 still
+                issues the same reduce-scatter on every rank, with the flags, so that a
+                parameter no rank used keeps ``grad=None``.
+            recurse: every fsdp2 module under this one (default), or this one only.
+        """
         for group in self._groups(recurse):
             group.settings.reduce_scatter_unused = reduce_scatter_unused_params
 
     def set_reduce_scatter_max_input_buffers(
         self, max_input_buffers: int, *, recurse: bool = True
     ) -> None:
-        """How many reduce-scatters (with their input buffers) may be in flight at once."""
+        """How many reduce-scatters (with their input buffers) may be in flight at once.
+
+        Args:
+            max_input_buffers: an int >= 1; more overlaps more and holds more memory.
+            recurse: every fsdp2 module under this one (default), or this one only.
+        """
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
             raise TypeError(
                 f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}"
@@ -230,26 +311,48 @@ class FSDPModule:
     def set_all_reduce_hook(
         self, hook: Callable[[torch.Tensor], None], *, stream: torch.Stream | None = None
     ) -> None:
-        """Call ``hook(reduced_shard)`` on each reduced gradient shard, in place, before the
-        gradients are handed out (e.g. a custom all-reduce over another mesh dim)."""
+        """Run a hook on each reduced gradient shard before the gradients are handed out.
+
+        Args:
+            hook: called as ``hook(reduced_shard)``; modifies the tensor in place (e.g. a
+                custom all-reduce over another mesh dim).
+            stream: accepted for torch's API; fsdp2 runs no side streams, so the hook runs
+                where the reduction is waited on.
+        """
         del stream  # fsdp2 runs no side streams: the hook runs where the reduction is waited on
         for group in self._groups(recurse=False):
             group.settings.all_reduce_hook = hook
 
     def set_post_optim_event(self, event: torch.Event) -> None:
-        """An event the next forward's first gather waits on (then discarded)."""
+        """Make the next forward's first gather wait for ``event`` (then discard it).
+
+        Args:
+            event: recorded after the optimizer step (e.g. ``torch.cuda.current_stream()
+                .record_event()``), so that gathers do not overwrite what it still reads.
+        """
         state = self._get_fsdp_state()
         if state.ctx is None:
             state._lazy_init()
         state.require_ctx().post_optim_event = event
 
     def set_custom_all_gather(self, comm: AllGather) -> None:
-        """Use ``comm`` (its ``allocate`` for the output buffer) for this module's all-gather."""
+        """Run this module's all-gather through ``comm``.
+
+        Args:
+            comm: an :class:`~fsdp2.AllGather`; its ``allocate`` makes the output buffer and
+                its ``__call__`` replaces the all-gather.
+        """
         for group in self._groups(recurse=False):
             group.settings.custom_all_gather = comm
 
     def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
-        """Use ``comm`` (its ``allocate`` for both buffers) for this module's reduce-scatter."""
+        """Run this module's reduce-scatter through ``comm``.
+
+        Args:
+            comm: a :class:`~fsdp2.ReduceScatter` (e.g. :class:`~fsdp2.LowPrecisionReduceScatter`);
+                its ``allocate`` makes both buffers and its ``__call__`` replaces the
+                reduce-scatter.
+        """
         for group in self._groups(recurse=False):
             group.settings.custom_reduce_scatter = comm
 
@@ -258,8 +361,13 @@ class FSDPModule:
     ) -> None:
         """Reduce-scatter gradients on a process group of their own over the same ranks (one
         per set of ranks), so that a backend running one collective at a time per group can
-        overlap them with all-gathers. Creates groups: every rank must call it alike.
-        ``False``: back to the shard group. (Traced mode does not support it.)"""
+        overlap them with all-gathers. Creates groups: every rank must call it alike. (Traced
+        mode does not support it.)
+
+        Args:
+            enable: ``True`` (default) for a separate group; ``False``: back to the shard group.
+            recurse: every fsdp2 module under this one (default), or this one only.
+        """
         made: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for group in self._groups(recurse):
             settings, shard_group = group.settings, group.info.shard_group
@@ -281,7 +389,11 @@ class FSDPModule:
         """Allocate this module's all-gather and reduce-scatter buffers with the process group's
         own allocator, where its backend has one (NCCL: registered memory for zero-copy
         transfers); gloo has none, so on CPU this changes nothing. Not combinable with
-        ``set_custom_all_gather``/``set_custom_reduce_scatter``."""
+        ``set_custom_all_gather``/``set_custom_reduce_scatter``.
+
+        Args:
+            enable: ``True`` for the process group's allocator, ``False`` for the default.
+        """
         groups = [g for g in self._groups(recurse=False) if g.info.shard_group is not None]
         _check_no_user_comms(groups, "set_allocate_memory_from_process_group_for_comm")
         for group in groups:
@@ -301,7 +413,11 @@ class FSDPModule:
         """All-gather into symmetric memory (CUDA + NCCL only), so that NCCL may use its
         copy-engine or symmetric-kernel all-gather; the reduce-scatter too if
         ``set_force_sum_reduction_for_comms(True)`` was set (NCCL's only sums). Raises on other
-        devices and backends. Not combinable with custom collectives."""
+        devices and backends. Not combinable with custom collectives.
+
+        Args:
+            backend: ``"NCCL"``, the only one supported.
+        """
         if backend != "NCCL":
             raise ValueError(f"set_symm_mem_for_comm supports backend='NCCL' only, got {backend!r}")
         groups = [g for g in self._groups(recurse=False) if g.info.shard_group is not None]
@@ -356,11 +472,16 @@ def _groups_of(modules: list[FSDPModule], direction: str) -> list[FSDPParamGroup
 
 
 class ReplicateModule(FSDPModule):
-    """Mixed into every module ``replicate`` was applied to (as ``Replicate<OriginalClass>``)."""
+    """Mixed into every module ``replicate`` was applied to (as ``Replicate<OriginalClass>``),
+    with :class:`FSDPModule`'s methods."""
 
 
 class UnshardHandle:
-    """Returned by ``FSDPModule.unshard(async_op=True)``: ``wait()`` finishes the all-gather."""
+    """Returned by ``FSDPModule.unshard(async_op=True)``: ``wait()`` finishes the all-gather.
+
+    Args:
+        groups: the parameter groups being gathered (fsdp2 builds it; users only ``wait()``).
+    """
 
     def __init__(self, groups: list[FSDPParamGroup] | None = None) -> None:
         self._groups = groups or []

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from fsdp2.engine.collectives import AllGather, ReduceScatter
+from fsdp2.engine.comm import AllGather, ReduceScatter
 from fsdp2.engine.policies import CPUOffloadPolicy, MixedPrecisionPolicy
 
 __all__ = ["GroupSettings"]

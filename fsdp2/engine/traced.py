@@ -62,6 +62,15 @@ def set_traced(module: nn.Module, traced: bool = True) -> None:
     traced mode no hook runs: each forward gathers its group with a functional all-gather and
     its backward reduce-scatters the gradients. ``module`` counts as the root for the default
     ``reshard_after_forward`` (the root keeps its parameters until backward, others reshard).
+    See docs/compile.md.
+
+    Args:
+        module: a module ``fully_shard`` was applied to, or one holding such modules.
+        traced: ``True`` (default) for traced mode; ``False`` returns to the eager hooks.
+
+    Raises:
+        ValueError: ``module`` holds no fsdp2 module.
+        NotImplementedError: a setting traced mode does not support (named, with the module).
     """
     states = _states_under(module)
     if not states:

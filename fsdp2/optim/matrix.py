@@ -48,7 +48,22 @@ class MatrixOptimizer(torch.optim.Optimizer):
     """Matrix params (2-D, and 3-D stacks) get a whole-matrix step; every other parameter, and
     the ones the user sends there (``adamw_params``, or a group with ``use_muon=False``), AdamW.
     See [Note: the matrix optimizer protocol] and [Note: the matrix part and the AdamW part]
-    (fsdp2/optim/groups.py)."""
+    (fsdp2/optim/groups.py).
+
+    Subclass it and implement :meth:`matrix_input`, :meth:`whole_matrix_update` and
+    :meth:`apply_update` (``examples/spectral_sgd.py``; :class:`~fsdp2.optim.Muon`).
+
+    Args:
+        params: parameters or param groups, as for any ``torch.optim.Optimizer``; a group may
+            set ``use_muon`` (``True``: matrices only, whole-matrix updates; ``False``: AdamW).
+        defaults: the subclass's defaults for the matrix groups (its hyperparameters).
+        adamw_params: parameters (or ``(name, parameter)`` pairs) trained with AdamW, whether
+            or not ``params`` lists them too.
+        adamw_lr: AdamW's learning rate (>= 0).
+        adamw_betas: AdamW's ``(beta1, beta2)``.
+        adamw_eps: AdamW's epsilon.
+        adamw_weight_decay: AdamW's decoupled weight decay (>= 0).
+    """
 
     def __init__(
         self,
@@ -81,16 +96,42 @@ class MatrixOptimizer(torch.optim.Optimizer):
     def matrix_input(
         self, param: torch.Tensor, grad: torch.Tensor, group: dict[str, Any], state: dict[str, Any]
     ) -> torch.Tensor:
+        """What to send to the matrix's owner: this rank's shard of the input of the
+        whole-matrix step (e.g. momentum), computed on the local shard.
+
+        Args:
+            param: the parameter (a sharded DTensor, or a plain tensor).
+            grad: its gradient, sharded like it.
+            group: its param group (hyperparameters).
+            state: its optimizer state (``self.state[param]``), to update in place.
+        """
         raise NotImplementedError
 
     def whole_matrix_update(
         self, index: int, full: torch.Tensor, group: dict[str, Any]
     ) -> torch.Tensor:
+        """The update of one whole matrix, run on its owner rank only.
+
+        Args:
+            index: the matrix's position among the matrix parameters (stable across steps).
+            full: the whole input matrix (every rank's :meth:`matrix_input` shard, joined).
+            group: its param group.
+
+        Returns:
+            A tensor of ``full``'s shape; each rank receives its shard of it.
+        """
         raise NotImplementedError
 
     def apply_update(
         self, param: torch.Tensor, update: torch.Tensor, group: dict[str, Any]
     ) -> None:
+        """Apply this rank's shard of the update to the parameter, in place.
+
+        Args:
+            param: the parameter.
+            update: this rank's shard of :meth:`whole_matrix_update`'s result.
+            group: its param group (learning rate, weight decay).
+        """
         raise NotImplementedError
 
     # -- machinery ---------------------------------------------------------------------------
@@ -215,7 +256,8 @@ def _name(group: dict[str, Any], gi: int, pi: int) -> str:
 
 def _adamw(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
     """One AdamW step on this rank's shard, in separately rounded ops (see the Note)."""
-    assert p.grad is not None
+    if p.grad is None:  # the caller steps parameters with a gradient only
+        raise AssertionError("_adamw: expected a parameter with a gradient, got grad=None")
     g, x = local(p.grad), local(p)
     if not state:
         state["step"] = torch.zeros((), dtype=torch.float32)

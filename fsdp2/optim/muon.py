@@ -35,7 +35,15 @@ def newton_schulz(
     """Approximately orthogonalise ``g`` (a matrix, or a stack of them in the last two dims):
     ``U V^T`` of its SVD, with singular values near 1. Computed in ``dtype``: fp32 by default
     (closer to exact than torch.optim.Muon's bf16); with bf16 and a 2-D ``g`` it runs the same
-    operations as torch.optim.Muon, so the results are the same."""
+    operations as torch.optim.Muon, so the results are the same.
+
+    Args:
+        g: a matrix, or a stack of matrices in its last two dims.
+        steps: the number of Newton–Schulz iterations.
+        dtype: the dtype of the iteration (the result has it too).
+        coefficients: the quintic's ``(a, b, c)``.
+        eps: the Frobenius norm is clamped at it before normalising.
+    """
     a, b, c = coefficients
     x = g.to(dtype)
     tall = g.size(-2) > g.size(-1)
@@ -97,6 +105,27 @@ class Muon(MatrixOptimizer):
     ``use_muon=False``, and the non-matrix parameters of ``params`` (torch refuses those; put
     parameters in a group with ``use_muon=True`` to be refused the same way). See
     [Note: the matrix part and the AdamW part] in fsdp2/optim/groups.py.
+
+    Args:
+        params: parameters or param groups; 2-D and 3-D ones get Muon, the others AdamW. A
+            group with ``use_muon=True`` is Muon only (raises on others, naming them);
+            ``use_muon=False``: AdamW.
+        lr: learning rate (default 1e-3, >= 0).
+        weight_decay: decoupled weight decay (default 0.1, >= 0).
+        momentum: momentum in [0, 1) (default 0.95).
+        nesterov: use the Nesterov input (default ``True``).
+        ns_coefficients: the quintic Newton–Schulz coefficients ``(a, b, c)``.
+        eps: the norm is clamped at it before Newton–Schulz (default 1e-7).
+        ns_steps: Newton–Schulz steps, in [1, 100) (default 5).
+        adjust_lr_fn: ``None``/``"original"`` or ``"match_rms_adamw"`` (see above).
+        ns_dtype: the dtype Newton–Schulz runs in (default ``torch.float32``).
+        adamw_params: parameters (or ``(name, parameter)`` pairs) trained with AdamW.
+        adamw_lr: AdamW's learning rate (default 3e-4).
+        adamw_betas: AdamW's betas (default ``(0.9, 0.95)``).
+        adamw_eps: AdamW's epsilon (default 1e-8).
+        adamw_weight_decay: AdamW's weight decay (default 0).
+        adjust_lr: the old name of ``adjust_lr_fn`` (``"spectral"``, ``"match_rms_adamw"``;
+            warns with ``FutureWarning``).
     """
 
     def __init__(

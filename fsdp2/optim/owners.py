@@ -87,7 +87,8 @@ def matrix_layout(param: torch.Tensor, name: str, who: str = "Muon") -> MatrixLa
             "with use_muon=False)."
         )
     axis, placement = sharded[0]
-    assert isinstance(placement, Shard)
+    if not isinstance(placement, Shard):  # type(...) is Shard, checked above
+        raise AssertionError(f"{who}: expected a Shard placement for {name}, got {placement}")
     dim = placement.dim % len(shape)
     if len(shape) == 3 and dim == 0:  # whole experts on each rank: see [Note: owner per matrix]
         return MatrixLayout(shape, None)
@@ -137,7 +138,8 @@ def exchange(
     let the owner compute ``update(i, full_matrix_i)`` (a tensor of the full shape), and return
     this rank's shard of each update, in the order given."""
     group, rank, world = layouts[0].group, layouts[0].rank, layouts[0].world
-    assert group is not None
+    if group is None:  # the caller exchanges sharded matrices only
+        raise AssertionError("exchange: expected matrices sharded over a process group, got None")
     mine = [i for i, lay in enumerate(layouts) if lay.owner == rank]
     by_owner = [[i for i, lay in enumerate(layouts) if lay.owner == r] for r in range(world)]
 

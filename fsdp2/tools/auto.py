@@ -102,11 +102,21 @@ def auto_shard(
     """``fully_shard`` each repeated block of ``model`` (bottom-up), then ``model``; return the
     calls made.
 
-    ``block_types``: classes (or class names) whose instances are the blocks; by default the
-    largest runs of same-class children of a ``ModuleList``/``Sequential``/``ModuleDict`` (see
-    the module docstring). ``mesh`` and ``fully_shard_kwargs`` go to every call. Without an
-    explicit ``reshard_after_forward``, blocks reshard after forward except the last one, whose
-    parameters backward needs first (the root keeps fully_shard's default).
+    Without an explicit ``reshard_after_forward``, blocks reshard after forward except the last
+    one, whose parameters backward needs first (the root keeps fully_shard's default). Tied
+    weights stay in their common ancestor's group.
+
+    Args:
+        model: the model to shard (the root).
+        mesh: passed to every ``fully_shard`` call (default: fully_shard's).
+        block_types: classes (or class names) whose instances are the blocks; by default the
+            largest runs of same-class children of a ``ModuleList``/``Sequential``/
+            ``ModuleDict`` (see the module docstring).
+        **fully_shard_kwargs: passed to every ``fully_shard`` call (``mp_policy``, ...).
+
+    Returns:
+        An :class:`AutoShardResult`: the calls made (``print`` it, iterate ``(fqn, kwargs)``
+        pairs, or ``apply`` them to a fresh model).
     """
     result = plan_auto_shard(model, mesh=mesh, block_types=block_types, **fully_shard_kwargs)
     result.apply(model)

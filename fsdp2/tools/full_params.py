@@ -48,13 +48,18 @@ def summon_full_params(
 ) -> Iterator[None]:
     """Register the full parameters of ``module``'s fsdp2 modules while the context is active.
 
-    ``writeback``: copy changes made to the full parameters back into the shards on exit (every
-    rank writes its own slice, so make the same change on every rank). ``rank0_only``: only rank
-    0 keeps the full parameters; the other ranks keep their shards (needs ``writeback=False``).
-    ``offload_to_cpu``: hold the full parameters on CPU, one parameter at a time on the device.
-    ``recurse``: also summon the fsdp2 modules below ``module``; ``False`` summons only
-    ``module``'s own ``fully_shard`` group. Call it on every rank, outside forward and backward
-    (see [Note: summoned parameters]).
+    Call it on every rank, outside forward and backward (see [Note: summoned parameters]).
+
+    Args:
+        module: a module holding fsdp2 modules (or one itself).
+        writeback: copy changes made to the full parameters back into the shards on exit
+            (every rank writes its own slice, so make the same change on every rank).
+        rank0_only: only rank 0 keeps the full parameters; the other ranks keep their shards
+            (needs ``writeback=False``).
+        offload_to_cpu: hold the full parameters on CPU, one parameter at a time on the
+            device.
+        recurse: also summon the fsdp2 modules below ``module``; ``False`` summons only
+            ``module``'s own ``fully_shard`` group.
     """
     if rank0_only and writeback:
         raise ValueError(

@@ -32,8 +32,17 @@ class ShardedGradScaler(torch.amp.GradScaler):
     """``torch.amp.GradScaler`` for sharded models: an inf or NaN in any rank's gradient shard
     makes every rank skip the step and back off the scale. Use it as ``torch.amp.GradScaler``.
 
-    ``device`` defaults to the current accelerator, else ``"cpu"``. ``process_group`` must
-    contain every rank holding a piece of the optimizer's parameters (default: the world).
+    Args:
+        device: the device type of the scale (default: the current accelerator, else
+            ``"cpu"``).
+        init_scale: the initial loss scale.
+        growth_factor: the scale is multiplied by it after ``growth_interval`` steps without
+            an inf or NaN.
+        backoff_factor: the scale is multiplied by it when a step is skipped.
+        growth_interval: steps without an inf or NaN before the scale grows.
+        enabled: ``False`` makes every method a pass-through, as in ``torch.amp.GradScaler``.
+        process_group: must contain every rank holding a piece of the optimizer's parameters
+            (default: the world); the skip-or-step decision is max-reduced over it.
     """
 
     def __init__(
@@ -105,7 +114,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
         # Through fsdp2's seam, as every fsdp2 collective: a rank that skipped this step's
         # unscale_ (its data ran out) ends in the hang report, and the opt-in checks see it.
         group = self.process_group or dist.group.WORLD
-        assert group is not None  # the default group exists: dist.is_initialized()
+        if group is None:  # the default group exists: dist.is_initialized()
+            raise AssertionError("ShardedGradScaler: no process group, though dist is initialized")
         collectives.all_reduce(found, group, checks.SCALER_LABEL, dist.ReduceOp.MAX).wait()
         for flag in flags.values():
             flag.copy_(found)

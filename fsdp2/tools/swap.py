@@ -14,9 +14,40 @@ working for anyone who reaches it directly.
 
 from __future__ import annotations
 
+import importlib
 import sys
 
-__all__ = ["patch_torch_fsdp", "unpatch_torch_fsdp"]
+from fsdp2.api import (
+    FSDPModule,
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+    replicate,
+    share_comm_ctx,
+)
+from fsdp2.engine.policies import (
+    CPUOffloadPolicy,
+    DataParallelMeshDims,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+)
+
+__all__ = ["TORCH_NAMES", "patch_torch_fsdp", "unpatch_torch_fsdp"]
+
+# fsdp2's objects under the names torch's FSDP2 uses: each replaces the object of that name in
+# torch's public modules, where those have one (replicate: where a torch release adds it there).
+TORCH_NAMES: dict[str, object] = {
+    "CPUOffloadPolicy": CPUOffloadPolicy,
+    "DataParallelMeshDims": DataParallelMeshDims,
+    "FSDPModule": FSDPModule,
+    "MixedPrecisionPolicy": MixedPrecisionPolicy,
+    "OffloadPolicy": OffloadPolicy,
+    "UnshardHandle": UnshardHandle,
+    "fully_shard": fully_shard,
+    "register_fsdp_forward_method": register_fsdp_forward_method,
+    "replicate": replicate,
+    "share_comm_ctx": share_comm_ctx,
+}
 
 _PUBLIC_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
 _LEFT_ALONE = ("torch.distributed.fsdp._fully_shard", "fsdp2")
@@ -25,20 +56,24 @@ _replaced: list[tuple[object, str, object]] = []
 
 
 def patch_torch_fsdp() -> None:
-    """Make ``torch.distributed.fsdp``'s FSDP2 names (``fully_shard``, ``FSDPModule``,
-    ``MixedPrecisionPolicy``, ...) fsdp2's, everywhere in this process. Call it once, before the
-    model is built, on every rank; calling it again does nothing more."""
-    import importlib
+    """Make ``torch.distributed.fsdp``'s FSDP2 names fsdp2's, everywhere in this process.
 
-    import fsdp2
+    ``fully_shard``, ``FSDPModule``, ``MixedPrecisionPolicy`` and the other names of
+    :data:`TORCH_NAMES` are replaced in ``torch.distributed.fsdp`` and
+    ``torch.distributed._composable.fsdp`` (for imports still to come) and in every module
+    already loaded that holds torch's objects (for ``from torch.distributed.fsdp import ...``
+    already run), so a framework that imports torch's FSDP2 itself runs fsdp2. torch's own
+    implementation (``torch.distributed.fsdp._fully_shard``) is left alone.
 
+    Call it once, on every rank, before the model is built; calling it again does nothing more.
+    Takes no arguments. :func:`unpatch_torch_fsdp` undoes it.
+    """
     public = [importlib.import_module(name) for name in _PUBLIC_MODULES]
-    names = [n for n in fsdp2.__all__ if any(hasattr(m, n) for m in public)]
     # torch's object (by id) -> ours, collected before anything is replaced.
     ours = {
-        id(getattr(module, name)): getattr(fsdp2, name)
+        id(getattr(module, name)): obj
         for module in public
-        for name in names
+        for name, obj in TORCH_NAMES.items()
         if hasattr(module, name)
     }
     for mod_name, module in list(sys.modules.items()):

@@ -21,7 +21,6 @@ from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fsdp2.engine import collectives
 from fsdp2.engine.collectives import CollectiveRecord, record_collectives
 from tests.models import MODELS, Batch
 from tests.parity.build import (
@@ -261,7 +260,31 @@ def same_on_all_ranks(value: Any) -> None:
         raise AssertionError(f"expected the same value on every rank, got {gathered}")
 
 
-class CollectiveCounter(TorchDispatchMode):
+class SeamAwareMode(TorchDispatchMode):
+    """A dispatch mode over c10d ops that tells fsdp2's reduce-scatter on gloo (issued as an
+    in-place all-reduce of its own input) from an all-reduce: fsdp2 records each collective
+    just before issuing it, so the c10d op that follows a fresh "reduce_scatter" record is it."""
+
+    def __enter__(self) -> Any:
+        self._recording = record_collectives()
+        self._records = self._recording.__enter__()
+        self._seen = 0
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._recording.__exit__(None, None, None)
+
+    def _is_fsdp2_reduce_scatter(self) -> bool:
+        """Call once per c10d op: whether it is the reduce-scatter fsdp2 just recorded."""
+        fresh = len(self._records) > self._seen
+        self._seen = len(self._records)
+        return fresh and self._records[-1].kind == "reduce_scatter"
+
+
+class CollectiveCounter(SeamAwareMode):
     """Counts c10d collectives by kind ("allgather", "reducescatter", "allreduce"), whoever
     issues them: fsdp2 or torch's own FSDP2. Unlike ``CommDebugMode`` it tracks no modules:
     torch 2.13's module tracker raises IndexError on models that call a module several times
@@ -277,9 +300,10 @@ class CollectiveCounter(TorchDispatchMode):
         namespace, _, name = func._schema.name.partition("::")
         if namespace == "c10d":
             name = name.replace("_", "")
+            seam_reduce_scatter = self._is_fsdp2_reduce_scatter()
             for kind in ("allgather", "reducescatter", "allreduce"):
                 if kind in name:
-                    if kind == "allreduce" and collectives.all_reduce_for_reduce_scatter:
+                    if kind == "allreduce" and seam_reduce_scatter:
                         kind = "reducescatter"  # fsdp2's reduce-scatter on gloo, done in place
                     self.counts[kind] += 1
         return func(*args, **(kwargs or {}))

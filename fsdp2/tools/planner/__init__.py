@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 
+from fsdp2.tools.auto import auto_shard
 from fsdp2.tools.planner.activations import activation_bytes
 from fsdp2.tools.planner.estimate import collectives, transient
 from fsdp2.tools.planner.groups import GroupFacts, collect_groups
@@ -45,14 +45,34 @@ def plan(
     device: str = "cuda",
     **fully_shard_kwargs: Any,
 ) -> Plan:
-    """Plan one rank of a run: ``build()`` makes the model (run under the meta device),
-    ``shard(model)`` (or ``shard(model, mesh)``) applies ``fully_shard`` as the training script
-    does; without it, ``fsdp2.auto_shard`` if present, else each repeated block then the root,
-    with ``fully_shard_kwargs``. ``world_size``: ranks (FSDP) or ``(replicate, shard)`` (HSDP).
-    ``optimizer``: ``"adamw"``, ``"adam"``, ``"sgd"`` (with momentum), ``"none"``, or state
-    bytes per trainable parameter element. ``batch``: one rank's example inputs (tensors, or a
-    function returning them), to estimate activations. ``device``: the target's type, which
-    decides backward prefetch (fsdp2 does not prefetch on CPU meshes)."""
+    """Plan one rank of a run: its memory and collectives per step, before launching it.
+
+    The model is built on the meta device and sharded over a fake process group of the size
+    asked; nothing is allocated. ``print`` the result, or ``compare`` world sizes.
+
+    Args:
+        build: makes the model (called under the meta device).
+        shard: ``shard(model)`` or ``shard(model, mesh)`` applies ``fully_shard`` as the
+            training script does; default: ``fsdp2.auto_shard`` with ``fully_shard_kwargs``.
+        world_size: ranks (FSDP) or ``(replicate, shard)`` (HSDP); ``Plan.compare`` plans
+            other sizes.
+        optimizer: ``"adamw"``, ``"adam"``, ``"sgd"`` (with momentum), ``"none"``, or state
+            bytes per trainable parameter element.
+        batch: one rank's example inputs (tensors, or a function returning them), to estimate
+            activations; ``None`` leaves them out.
+        loss_fn: turns the model's output into the loss for that estimate (default: the
+            last 0-d tensor of the output that requires grad, else the sum of its first
+            tensor).
+        device: the target's device type, which decides backward prefetch (fsdp2 does not
+            prefetch on CPU meshes).
+        **fully_shard_kwargs: for the default shard function only.
+
+    Returns:
+        A :class:`Plan`.
+
+    Raises:
+        PlanError: a mistake in the arguments or in what ``build``/``shard`` do.
+    """
     if shard is not None and fully_shard_kwargs:
         raise PlanError(
             f"fully_shard options {sorted(fully_shard_kwargs)} apply only without a shard "
@@ -195,30 +215,6 @@ def _is_sharded(param: nn.Parameter) -> bool:
 
 
 def default_shard(kwargs: dict[str, Any]) -> tuple[Callable[..., Any], str]:
-    """``fsdp2.auto_shard`` where it exists; else ``fully_shard`` on each block of the largest
-    container of same-class children, then on the root."""
-    import fsdp2
-
-    auto = getattr(fsdp2, "auto_shard", None)
-    if auto is not None:
-        return functools.partial(auto, **kwargs), "used fsdp2.auto_shard"
-
-    def blocks_then_root(model: nn.Module, mesh: DeviceMesh) -> None:
-        for block in repeated_blocks(model):
-            fsdp2.fully_shard(block, mesh=mesh, **kwargs)
-        fsdp2.fully_shard(model, mesh=mesh, **kwargs)
-
-    return blocks_then_root, "sharded each repeated block, then the root (planner's fallback)"
-
-
-def repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """The children of the largest ``ModuleList``/``Sequential`` whose children share a class."""
-    best: list[nn.Module] = []
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList | nn.Sequential):
-            children = list(module.children())
-            if len(children) > 1 and len({type(c) for c in children}) == 1:
-                size = sum(p.numel() for p in module.parameters())
-                if size > sum(p.numel() for b in best for p in b.parameters()):
-                    best = children
-    return best
+    """The shard function used without one: :func:`~fsdp2.tools.auto.auto_shard` with
+    ``kwargs``, and the note that says so."""
+    return functools.partial(auto_shard, **kwargs), "used fsdp2.auto_shard"

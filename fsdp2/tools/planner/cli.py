@@ -151,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     kwargs: dict[str, Any] = {}
     if args.param_dtype or args.reduce_dtype:
-        from fsdp2 import MixedPrecisionPolicy
+        from fsdp2.engine.policies import MixedPrecisionPolicy
 
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=DTYPES.get(args.param_dtype), reduce_dtype=DTYPES.get(args.reduce_dtype)
