@@ -8,7 +8,6 @@ from typing import Any, Literal, NoReturn
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from fsdp2.engine.changes import take_up_changes
 from fsdp2.engine.collectives import (
@@ -20,17 +19,12 @@ from fsdp2.engine.collectives import (
     SymmMemReduceScatter,
 )
 from fsdp2.engine.param_group import FSDPParamGroup
-from fsdp2.engine.state import FSDPState
+from fsdp2.engine.registry import STATE_ATTR
+from fsdp2.engine.state import FSDPState, state_of
 from fsdp2.engine.state_dict import check_state_dict
 from fsdp2.engine.traced import traced_forward
 
 __all__ = ["STATE_ATTR", "FSDPModule", "ReplicateModule", "UnshardHandle", "state_of"]
-
-STATE_ATTR = "_fsdp2_state"
-
-
-def state_of(module: nn.Module) -> FSDPState | None:
-    return module.__dict__.get(STATE_ATTR)
 
 
 class FSDPModule:

@@ -42,9 +42,10 @@ from fsdp2.engine.inputs import InputHooks
 from fsdp2.engine.param_group import FSDPParamGroup
 from fsdp2.engine.policies import MixedPrecisionPolicy, cast_floats
 from fsdp2.engine.reduce import PendingReduce, Reduced, hand_over
+from fsdp2.engine.registry import StateRegistry
 from fsdp2.engine.tree import map_tensors, tensors_in
 
-__all__ = ["FSDPState", "IterContext", "TrainingState"]
+__all__ = ["STATES", "FSDPState", "IterContext", "TrainingState", "state_of"]
 
 logger = logging.getLogger("fsdp2")
 
@@ -234,12 +235,7 @@ class FSDPState:
 
     def _lazy_init(self) -> None:
         """Make this state the root of every fsdp2 state in its modules' subtrees."""
-        states: list[FSDPState] = []
-        for module in self.modules:
-            for sub in module.modules():
-                state = sub.__dict__.get("_fsdp2_state")
-                if state is not None and state not in states:
-                    states.append(state)
+        states = STATES.under(*self.modules)
         ctx = IterContext(states)
         names = {id(m): n for top in self.modules for n, m in top.named_modules()}
         for state in states:
@@ -485,3 +481,8 @@ class FSDPState:
         sharded = ",".join(g.state.name for g in self.groups) or "no params"
         role = "root" if self.is_root else "child"
         return f"FSDPState({self.fqn or '<root>'}, {role}, {self.training_state.name}, {sharded})"
+
+
+# The registry of "the fsdp2 states of a module tree" (registry.py), bound to FSDPState.
+STATES: StateRegistry[FSDPState] = StateRegistry()
+state_of = STATES.of

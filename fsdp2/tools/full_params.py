@@ -25,10 +25,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from fsdp2.engine.module import state_of
 from fsdp2.engine.param import FSDPParam, parameter
 from fsdp2.engine.param_group import FSDPParamGroup
-from fsdp2.engine.state import FSDPState, TrainingState
+from fsdp2.engine.state import STATES, FSDPState, TrainingState, state_of
 
 __all__ = ["summon_full_params"]
 
@@ -85,11 +84,7 @@ def _states_in(module: nn.Module, recurse: bool) -> list[FSDPState]:
                 "pass recurse=True to summon the fsdp2 modules below it"
             )
         return [state]
-    states: list[FSDPState] = []
-    for sub in module.modules():
-        state = state_of(sub)
-        if state is not None and state not in states:
-            states.append(state)
+    states = STATES.under(module)
     if not states:
         raise ValueError(
             f"summon_full_params found no fsdp2 module in this {type(module).__name__}; "
