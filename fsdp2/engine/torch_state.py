@@ -25,8 +25,9 @@ import torch.nn as nn
 from torch.distributed._composable.contract import STATE_KEY
 from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard as _torch_fully_shard
 
+from fsdp2.engine.iteration import IterContext
 from fsdp2.engine.param_group import FSDPParamGroup
-from fsdp2.engine.state import FSDPState, IterContext
+from fsdp2.engine.state import FSDPState
 
 __all__ = ["TorchStateView", "register_torch_state", "torch_state"]
 
@@ -113,7 +114,7 @@ class _GroupView(_Unsupported):
             _context(self._fsdp2_state).add_reduce(group.reduce_grads(), group.max_in_flight)
 
 
-def _context(state: FSDPState) -> IterContext:
+def _context(state: FSDPState) -> IterContext[FSDPState]:
     if state.ctx is None:
         state._lazy_init()  # never ran forward: nothing to reduce, but the calls must work
     return state.require_ctx()
