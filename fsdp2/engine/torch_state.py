@@ -65,15 +65,15 @@ class TorchStateView(_Unsupported):
     """One fsdp2 state (one ``fully_shard`` call), as ``fully_shard.state`` returns it."""
 
     def __init__(self, state: FSDPState) -> None:
-        self._fsdp2_state = state
+        self._fsdp_state = state
 
     @property
     def _fsdp_param_groups(self) -> list[_GroupView]:
-        return [_GroupView(group, self._fsdp2_state) for group in self._fsdp2_state.groups]
+        return [_GroupView(group, self._fsdp_state) for group in self._fsdp_state.groups]
 
     @property
     def _state_ctx(self) -> _ContextView:
-        return _ContextView(self._fsdp2_state)
+        return _ContextView(self._fsdp_state)
 
     def _root_post_backward_final_callback(self) -> None:
         """Finish the backward: reduce what no ``post_backward()`` reduced, wait for the
@@ -82,22 +82,22 @@ class TorchStateView(_Unsupported):
         autograd grad mode is on, which the end of backward reads as a ``create_graph``
         backward that keeps parameters gathered: run it as autograd would, without grad."""
         with torch.no_grad():
-            _context(self._fsdp2_state).end_of_backward()
+            _context(self._fsdp_state).end_of_backward()
 
 
 class _ContextView(_Unsupported):
     def __init__(self, state: FSDPState) -> None:
-        self._fsdp2_state = state
+        self._fsdp_state = state
 
     @property
     def all_states(self) -> list[TorchStateView]:
-        return [TorchStateView(s) for s in _context(self._fsdp2_state).states]
+        return [TorchStateView(s) for s in _context(self._fsdp_state).states]
 
 
 class _GroupView(_Unsupported):
     def __init__(self, group: FSDPParamGroup, state: FSDPState) -> None:
         self._group = group
-        self._fsdp2_state = state
+        self._fsdp_state = state
 
     def post_backward(self) -> None:
         """Reduce the gradients the group accumulated (over the microbatches whose backward ran
@@ -111,7 +111,7 @@ class _GroupView(_Unsupported):
         if not group.reduce_grads_enabled:
             group.stash_grads()
         elif group.reduces_at_end():
-            _context(self._fsdp2_state).add_reduce(group.reduce_grads(), group.max_in_flight)
+            _context(self._fsdp_state).add_reduce(group.reduce_grads(), group.max_in_flight)
 
 
 def _context(state: FSDPState) -> IterContext[FSDPState]:
