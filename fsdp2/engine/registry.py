@@ -2,10 +2,10 @@
 everything else finds it.
 
 Each ``fully_shard`` call makes one ``FSDPState`` and attaches it to every module of the call, in
-the module's ``__dict__`` under ``STATE_ATTR`` (a plain entry: ``nn.Module.__setattr__`` would
-look for parameters and submodules, and ``__getattr__`` is slow on the forward path). "Is this
-module sharded?", "which states are below this module?" and attaching a state are asked here and
-nowhere else.
+the module's ``__dict__`` under ``STATE_ATTR``, and reads it from there: a module's own entry,
+never one found through a ``__getattr__`` that forwards to a wrapped model (as peft's wrappers
+do), and no exception for the modules that have none. "Is this module sharded?", "which states
+are below this module?" and attaching a state are asked here and nowhere else.
 
 The registry is generic in the state's type: ``state.py`` walks it at lazy init, so it must sit
 below ``state.py`` and cannot import it; ``state.py`` binds it to ``FSDPState`` (``STATES``).
