@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fsdp2.engine.agreement import check_fully_shard
 from fsdp2.engine.mesh import MeshInfo, default_mesh, device_of, mesh_info
-from fsdp2.engine.module import STATE_ATTR, FSDPModule, ReplicateModule, UnshardHandle, state_of
+from fsdp2.engine.module import FSDPModule, ReplicateModule, UnshardHandle
 from fsdp2.engine.param import FSDPParam
 from fsdp2.engine.param_group import FSDPParamGroup
 from fsdp2.engine.policies import (
@@ -24,7 +24,7 @@ from fsdp2.engine.policies import (
     MixedPrecisionPolicy,
     OffloadPolicy,
 )
-from fsdp2.engine.state import FSDPState
+from fsdp2.engine.state import STATES, FSDPState, state_of
 from fsdp2.engine.state_dict import register_state_dict_hooks
 from fsdp2.engine.torch_state import register_torch_state, torch_state
 
@@ -261,7 +261,7 @@ def _apply(
     state = FSDPState(modules, groups, reshard_after_forward, mp_policy)
     prefix = "FSDP" if kind is FSDPModule else kind.__name__.removesuffix("Module")
     for mod in modules:
-        mod.__dict__[STATE_ATTR] = state
+        STATES.attach(mod, state)
         register_torch_state(mod, state)
         for each in groups:
             register_state_dict_hooks(mod, each)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -57,12 +57,24 @@ _ARGUMENTS = "arguments of fully_shard"  # the facts' key for them
 _MAX_LINES = 8  # differences listed in a message; the first ones are what a user fixes first
 
 
+class _Report(NamedTuple):
+    """What one rank sent in the second exchange."""
+
+    facts: Facts
+    problems: Problems
+
+
+class _Details(NamedTuple):
+    """The first of this rank's groups where ranks differ or one has a problem."""
+
+    ranks: list[int]  # the group's global ranks
+    reports: list[_Report]  # one per rank, in that order
+
+
 @dataclass
 class _Outcome:
     flags: int  # bitwise OR of every rank's flags over the groups
-    # From the first of this rank's groups where ranks differ or one has a problem: the
-    # group's global ranks and each one's (facts, problems).
-    details: tuple[list[int], list[tuple[Facts, Problems]]] | None
+    details: _Details | None
     bad_rank: int  # a rank whose group disagreed (maybe not one of ours), or -1
 
 
@@ -83,7 +95,7 @@ def _agree(
     """Exchange ``facts`` (by digest), ``problems`` (whether any) and ``flags`` over each of
     ``groups`` in turn; see [Note: errors on every rank]."""
     digest, bad_rank = _digest(facts), -1
-    details: tuple[list[int], list[tuple[Facts, Problems]]] | None = None
+    details: _Details | None = None
     for group in groups:
         rows = agree_ints([digest, int(bool(problems)), flags, bad_rank + 1], group, device)
         for _, _, their_flags, their_bad in rows:
@@ -91,9 +103,10 @@ def _agree(
             bad_rank = max(bad_rank, their_bad - 1)
         if any(d != digest or p for d, p, _, _ in rows):  # every rank sees the same rows
             ranks = dist.get_process_group_ranks(group)
+            # Sent as a plain tuple: what crosses the wire stays as it was.
             everyone = cast("list[tuple[Facts, Problems]]", agree_objects((facts, problems), group))
             if details is None:
-                details = (ranks, everyone)
+                details = _Details(ranks, [_Report(*each) for each in everyone])
             bad_rank = max(bad_rank, min(ranks))
     return _Outcome(flags, details, bad_rank)
 
@@ -139,10 +152,10 @@ def check_fully_shard(
     meta = int(any(p.device.type == "meta" for p in params))
     outcome = _agree(_dp_groups(info), device, facts, problems, meta)
     if outcome.details is not None:
-        ranks, everyone = outcome.details
-        if any(p for _, p in everyone):
-            raise ValueError(_device_message(who, device, ranks, [p for _, p in everyone]))
-        raise ValueError(_mismatch_message(who, ranks, [f for f, _ in everyone]))
+        ranks, reports = outcome.details
+        if any(r.problems for r in reports):
+            raise ValueError(_device_message(who, device, ranks, [r.problems for r in reports]))
+        raise ValueError(_mismatch_message(who, ranks, [r.facts for r in reports]))
     if outcome.bad_rank >= 0:
         raise ValueError(_elsewhere_message(who, outcome.bad_rank))
     if problems:  # no peers to exchange with: this rank alone
@@ -252,8 +265,8 @@ def check_materialized(groups: list[FSDPParamGroup]) -> None:
         # The mesh's device: a group half converted by to_empty may sit on meta.
         outcome = _agree(_dp_groups(info), device_of(info.mesh), facts, {})
         if outcome.details is not None:
-            ranks, everyone = outcome.details
-            each = [f for f, _ in everyone]
+            ranks, reports = outcome.details
+            each = [r.facts for r in reports]
             if any(k.startswith(_META) for f in each for k in f):
                 raise RuntimeError(_meta_message(ranks, each))
             raise RuntimeError(_changed_message(ranks, each))

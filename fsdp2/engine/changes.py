@@ -15,7 +15,7 @@ which object sits where) when every rank runs the same code, so every rank raise
 
 from __future__ import annotations
 
-from typing import cast
+from typing import NamedTuple, cast
 
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
@@ -24,6 +24,13 @@ from fsdp2.engine.param import FSDPParam
 from fsdp2.engine.param_group import FSDPParamGroup, ShardedState
 
 __all__ = ["take_up_changes"]
+
+
+class _Replacement(NamedTuple):
+    """A parameter assigned in place of a sharded one, about to be adopted."""
+
+    fsdp_param: FSDPParam
+    new: nn.Parameter
 
 
 def take_up_changes(group: FSDPParamGroup) -> None:
@@ -56,14 +63,14 @@ def _adopt_replaced(group: FSDPParamGroup) -> None:
     optimizer built after the assignment holds them). ``load_state_dict(assign=True)`` does
     its own adoption (state_dict.py), waiting for the whole group."""
     unsharded = group.state is ShardedState.UNSHARDED
-    found: list[tuple[FSDPParam, nn.Parameter]] = []
+    found: list[_Replacement] = []
     for fsdp_param in group.fsdp_params:
         if unsharded:
             fsdp_param.check_slots(fsdp_param.unsharded_param)  # gathered: cannot adopt now
             continue
         new = _replacement(fsdp_param)
         if new is not None:
-            found.append((fsdp_param, new))
+            found.append(_Replacement(fsdp_param, new))
     if not found:
         return
     mine = {id(p.sharded_param) for p in group.fsdp_params}

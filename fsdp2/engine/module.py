@@ -8,7 +8,6 @@ from typing import Any, Literal, NoReturn
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from fsdp2.engine.changes import take_up_changes
 from fsdp2.engine.comm import (
@@ -20,17 +19,12 @@ from fsdp2.engine.comm import (
     SymmMemReduceScatter,
 )
 from fsdp2.engine.param_group import FSDPParamGroup
-from fsdp2.engine.state import FSDPState
+from fsdp2.engine.registry import STATE_ATTR
+from fsdp2.engine.state import STATES, FSDPState, state_of
 from fsdp2.engine.state_dict import check_state_dict
 from fsdp2.engine.traced import traced_forward
 
 __all__ = ["STATE_ATTR", "FSDPModule", "ReplicateModule", "UnshardHandle", "state_of"]
-
-STATE_ATTR = "_fsdp2_state"
-
-
-def state_of(module: nn.Module) -> FSDPState | None:
-    return module.__dict__.get(STATE_ATTR)
 
 
 class FSDPModule:
@@ -92,12 +86,7 @@ class FSDPModule:
     def _states(self, recurse: bool) -> list[FSDPState]:
         if not recurse:
             return [self._get_fsdp_state()]
-        found: list[FSDPState] = []
-        for sub in self.modules():  # type: ignore[attr-defined]
-            state = state_of(sub)
-            if state is not None and state not in found:
-                found.append(state)
-        return found
+        return STATES.under(self)  # type: ignore[arg-type]
 
     # -- explicit control -------------------------------------------------------------------------
 

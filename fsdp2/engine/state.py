@@ -5,28 +5,12 @@ becomes the root: it gathers every state below it into one :class:`IterContext`,
 a training iteration shares (the order groups ran in, the reduce-scatter in flight, the
 end-of-backward callback).
 
-[Note: prefetch order]
-While forward runs, each group appends itself to the context's recording the first time it runs
-in that iteration; when the root's forward ends the recording becomes ``forward_order``. In
-backward a group prefetches the group before it (the root prefetches the last one, whose
-gradients arrive first), so that gather overlaps its backward compute. A wrong guess costs
-memory, never correctness: anything gathered and unused is freed at the end of backward.
-On accelerators forward guesses too: each group, once gathered, starts the gather of the group
-that followed it in the last forward, before its own kernels are queued. An asynchronous NCCL
-collective waits for everything already queued on the compute stream when it is issued, so a
-gather issued at the next module's own pre-forward could only start once this module's compute
-is done: every forward gather would be exposed (torch hides it with side streams; we need none,
-see docs/accelerators.md). On CPU meshes neither direction guesses: compute and gloo share the
-same cores, so a prefetched gather overlaps nothing (forward: 784 vs 958 ms per step, GPT at 2
-ranks; backward: 49.1 vs 48.9 ms) while its buffer raised peak memory by 2 MiB of 19 (the same
-model). ``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch`` replace the
-guess everywhere; ``GroupSettings.guess_prefetch`` overrides the choice by device.
+Groups are gathered ahead of their own hooks in the order the last forward ran them (see
+[Note: prefetch order] in prefetch.py).
 """
 
 from __future__ import annotations
 
-import logging
-from collections import deque
 from enum import Enum, auto
 from functools import partial
 from typing import Any
@@ -34,20 +18,18 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch._compile import _disable_dynamo
-from torch.autograd import Variable
 
 from fsdp2.engine.agreement import check_materialized
 from fsdp2.engine.changes import take_up_changes
-from fsdp2.engine.grads import Reduced, hand_over
 from fsdp2.engine.inputs import InputHooks
+from fsdp2.engine.iteration import IterContext, trace
 from fsdp2.engine.param_group import FSDPParamGroup
 from fsdp2.engine.policies import MixedPrecisionPolicy, cast_floats
-from fsdp2.engine.reduce import PendingReduce
+from fsdp2.engine.prefetch import prefetch_after, prefetch_before
+from fsdp2.engine.registry import StateRegistry
 from fsdp2.engine.tree import map_tensors, tensors_in
 
-__all__ = ["FSDPState", "IterContext", "TrainingState"]
-
-logger = logging.getLogger("fsdp2")
+__all__ = ["STATES", "FSDPState", "TrainingState", "state_of"]
 
 
 def _in_backward() -> bool:
@@ -57,136 +39,37 @@ def _in_backward() -> bool:
 
 
 class TrainingState(Enum):
-    """Where a state is in the iteration; shown in ``repr`` and checked by the hooks."""
+    """Where an ``FSDPState`` is in the iteration; shown in ``repr`` and checked by the hooks.
+    Changed only by ``FSDPState.enter``, which checks ``_ENTERED_FROM``."""
 
     IDLE = auto()  # at init, after its post-forward, and after the end of backward
     FORWARD = auto()  # between its pre-forward and post-forward: parameters unsharded
     PRE_BACKWARD = auto()  # its outputs' gradients arrived: parameters unsharded for backward
-    POST_BACKWARD = auto()  # its gradients were handed to the reduce-scatter; resharded
+    # Its gradients were handed to the reduce-scatter, resharded, until the end of backward.
+    # Read as "not PRE_BACKWARD": a checkpoint recomputing its forward now gathers it again
+    # and hooks the outputs; and as "not IDLE": summon_full_params refuses to run.
+    POST_BACKWARD = auto()
 
 
-def _trace(label: str, fqn: str) -> None:
-    """One event per hook, for the profiler and the ``fsdp2`` logger; near free when both are off."""
-    if torch._C._autograd._profiler_enabled():
-        with torch.profiler.record_function(f"fsdp2::{label} {fqn}"):
-            pass
-    if logger.isEnabledFor(logging.DEBUG):
-        logger.debug("fsdp2::%s %s", label, fqn)
-
-
-class IterContext:
-    """What the states under one root share during a training iteration."""
-
-    def __init__(self, states: list[FSDPState]) -> None:
-        self.states = states  # pre-order: the root first
-        self.groups = [group for s in states for group in s.groups]
-        self.forward_order: list[FSDPParamGroup] = []  # last completed forward's group order
-        self.recording: list[FSDPParamGroup] = []
-        self.iteration = 0
-        self.in_flight: deque[PendingReduce] = deque()  # reduce-scatters not waited for yet
-        # Reduced shards are handed to the parameters only when backward ends, so a backward
-        # that raises leaves no partial gradients behind (see reset()).
-        self.reduced: list[Reduced] = []
-        self.callback_queued = False
-        self.num_backwards = 0  # ends of backward so far: with the iteration, names a round
-        self.num_forwards = 0  # sharded forward calls so far: which ran inside which
-        # The root's forward is running with grad enabled: a nested forward under no_grad is then
-        # part of a training step (a reentrant checkpoint's first pass), not an evaluation.
-        self.training_forward = False
-        self.is_last_backward = True
-        self.post_optim_event: torch.Event | None = None
-
-    def record(self, group: FSDPParamGroup) -> None:
-        """Note that ``group`` runs now (its first call this iteration fixes its position)."""
-        if group.seen_in != self.iteration:
-            group.seen_in = self.iteration
-            group.order_index = len(self.recording)
-            self.recording.append(group)
-
-    def start_forward(self) -> None:
-        if self.callback_queued:
-            # The last backward never reached its end (it raised): recover before going on.
-            self.reset()
-        if self.post_optim_event is not None:
-            self.post_optim_event.wait()
-            self.post_optim_event = None
-        self.iteration += 1
-        self.recording = []
-        self.training_forward = torch.is_grad_enabled()
-
-    def end_forward(self) -> None:
-        self.forward_order = self.recording
-        self.training_forward = False
-
-    def queue_end_of_backward(self) -> None:
-        if not self.callback_queued:
-            self.callback_queued = True
-            Variable._execution_engine.queue_callback(self.end_of_backward)
-
-    def add_reduce(self, reduce: PendingReduce | None, max_in_flight: int) -> None:
-        """Put ``reduce`` in flight, first finishing older ones beyond ``max_in_flight - 1``."""
-        if reduce is None:
-            return
-        while len(self.in_flight) >= max_in_flight:
-            self.reduced.extend(self.in_flight.popleft().finish())
-        self.in_flight.append(reduce)
-
-    def reap(self) -> None:
-        """Finish the reduce-scatters that have completed, oldest first, without blocking: each
-        holds an input as large as its group's gradients until then. Not those whose finish
-        issues a collective (HSDP): completion times differ between ranks."""
-        while self.in_flight and self.in_flight[0].finished_locally():
-            self.reduced.extend(self.in_flight.popleft().finish())
-
-    def end_of_backward(self) -> None:
-        """Reduce whatever was not reduced yet, wait for it all, and reshard every group.
-        After a backward with ``create_graph=True`` (grad mode is on in its hooks) the groups
-        stay gathered: the graph it built (a gradient penalty's) uses the unsharded parameters
-        in the next backward, which reshards them."""
-        _trace("end_of_backward", "")
-        keep_gathered = torch.is_grad_enabled()
-        for group in self.groups:
-            if not group.settings.requires_gradient_sync:
-                # A group whose module's backward did not finish in this backward (a list group
-                # where only one module ran: torchtitan's chunked loss on [norm, lm_head]) has not
-                # stashed yet; left in .grad, the next micro-step would sum in param_dtype.
-                group.reducer.stash_grads()
-            elif group.reducer.reduces_at_end():
-                if group.settings.reshard_after_backward and not keep_gathered:
-                    group.reshard()  # first, as in _finish_if_done: free before the collective
-                self.add_reduce(group.reducer.reduce_grads(), max_in_flight=1_000_000)
-        if self.is_last_backward:
-            while self.in_flight:
-                self.reduced.extend(self.in_flight.popleft().finish())
-        hand_over(self.reduced)
-        self.reduced = []
-        for state in self.states:
-            for group in state.groups:
-                group.reducer.reduced_in_backward = False
-                group.reducer.grads_ready = False
-                group.reducer.backward_task = -1
-                if group.settings.reshard_after_backward and not keep_gathered:
-                    group.reshard()
-            state.training_state = TrainingState.IDLE
-        self.callback_queued = False
-        self.num_backwards += 1
-
-    def reset(self) -> None:
-        """Forget a failed iteration: its collectives, its gradients, its unsharded parameters."""
-        while self.in_flight:
-            self.in_flight.popleft().finish()
-        self.reduced = []
-        for state in self.states:
-            for group in state.groups:
-                group.reducer.drop_unreduced_grads()
-                group.reducer.reduced_in_backward = False
-                group.reducer.grads_ready = False
-                group.reducer.backward_task = -1
-                group.reshard()
-            state.training_state = TrainingState.IDLE
-            state._call_inputs = []
-        self.callback_queued = False
-        self.training_forward = False
+_ANY = frozenset(TrainingState)
+# The states each training state may be entered from. The usual round is IDLE, FORWARD, IDLE,
+# PRE_BACKWARD, POST_BACKWARD, IDLE; the other edges are reached too:
+# - IDLE from any: the end of backward and a reset end every state's iteration; post_forward
+#   leaves FORWARD, IDLE (another module of the same call ran inside, or no parameters) or
+#   POST_BACKWARD (its gradients were reduced by a backward run inside its forward).
+# - FORWARD from any: after a forward or backward that raised; a module of the same call
+#   running inside another; a checkpoint recomputing it in backward.
+# - PRE_BACKWARD from all but itself (its hook returns first): from FORWARD through a backward
+#   inside its forward, from POST_BACKWARD when an output's gradient arrives after its
+#   gradients were reduced.
+# - POST_BACKWARD from any: from itself at its second group (shard_placement_fn's meshes), from
+#   IDLE or FORWARD when its gradients arrived without passing its outputs' hooks.
+_ENTERED_FROM: dict[TrainingState, frozenset[TrainingState]] = {
+    TrainingState.IDLE: _ANY,
+    TrainingState.FORWARD: _ANY,
+    TrainingState.PRE_BACKWARD: _ANY - {TrainingState.PRE_BACKWARD},
+    TrainingState.POST_BACKWARD: _ANY,
+}
 
 
 class FSDPState:
@@ -209,9 +92,9 @@ class FSDPState:
         # None: decided at lazy init (the root keeps its parameters, others reshard).
         self.requested_reshard_after_forward = reshard_after_forward
         self.reshard_after_forward = bool(reshard_after_forward)
-        self.ctx: IterContext | None = None
+        self.ctx: IterContext[FSDPState] | None = None
         self.is_root = False
-        self.training_state = TrainingState.IDLE
+        self._training_state = TrainingState.IDLE  # changed only by enter()
         # Explicit prefetch targets (set_modules_to_*_prefetch); None: use the recorded order.
         self.forward_prefetch: list[FSDPParamGroup] | None = None
         self.backward_prefetch: list[FSDPParamGroup] | None = None
@@ -227,6 +110,22 @@ class FSDPState:
             group.reducer.on_grads_ready = partial(self._post_backward, group)
 
     @property
+    def training_state(self) -> TrainingState:
+        return self._training_state
+
+    def enter(self, training_state: TrainingState) -> None:
+        """Move to ``training_state``: every transition passes here, checked against
+        ``_ENTERED_FROM`` (an internal invariant: no user action reaches the error)."""
+        allowed = _ENTERED_FROM[training_state]
+        if self._training_state not in allowed:
+            raise AssertionError(
+                f"fsdp2 state {self.fqn!r}: illegal transition {self._training_state.name} -> "
+                f"{training_state.name}; expected it to come from "
+                f"{', '.join(sorted(s.name for s in allowed))}"
+            )
+        self._training_state = training_state
+
+    @property
     def group(self) -> FSDPParamGroup | None:
         """The group on the call's own mesh (the only one, unless parameters chose others)."""
         return self.groups[0] if self.groups else None
@@ -235,12 +134,7 @@ class FSDPState:
 
     def _lazy_init(self) -> None:
         """Make this state the root of every fsdp2 state in its modules' subtrees."""
-        states: list[FSDPState] = []
-        for module in self.modules:
-            for sub in module.modules():
-                state = sub.__dict__.get("_fsdp2_state")
-                if state is not None and state not in states:
-                    states.append(state)
+        states = STATES.under(*self.modules)
         ctx = IterContext(states)
         names = {id(m): n for top in self.modules for n, m in top.named_modules()}
         for state in states:
@@ -257,7 +151,7 @@ class FSDPState:
             state.is_root = state is self
             requested = state.requested_reshard_after_forward
             state.reshard_after_forward = (not state.is_root) if requested is None else requested
-        _trace("lazy_init", self.fqn)
+        trace("lazy_init", self.fqn)
         try:
             check_materialized(ctx.groups)  # once, only for groups that were on meta somewhere
         except BaseException:
@@ -265,7 +159,7 @@ class FSDPState:
                 state.ctx = None
             raise
 
-    def require_ctx(self) -> IterContext:
+    def require_ctx(self) -> IterContext[FSDPState]:
         """The iteration context, which lazy init gives every state before any hook runs."""
         if self.ctx is None:
             raise AssertionError(
@@ -287,7 +181,7 @@ class FSDPState:
         if self.input_dtype is not None:
             args, kwargs = cast_floats((args, kwargs), self.input_dtype)
         recompute = _in_backward()  # activation checkpointing recomputing the forward
-        if self.training_state is TrainingState.PRE_BACKWARD and recompute:
+        if self._training_state is TrainingState.PRE_BACKWARD and recompute:
             return args, kwargs
         # PRE_BACKWARD outside backward: left by a backward that raised; the root's
         # start_forward recovers from it.
@@ -296,8 +190,8 @@ class FSDPState:
             ctx.start_forward()
         if not self.groups:
             return args, kwargs
-        _trace("pre_forward", self.fqn)
-        self.training_state = TrainingState.FORWARD
+        trace("pre_forward", self.fqn)
+        self.enter(TrainingState.FORWARD)
         for group in self.groups:  # issue every gather before waiting for any
             take_up_changes(group)
             group.unshard()
@@ -317,38 +211,25 @@ class FSDPState:
                 target.unshard()
         elif not recompute:  # a checkpoint's recompute runs in backward's order, not forward's
             for group in self.groups:
-                self._prefetch_after(group, ctx)
+                prefetch_after(group, ctx.forward_order, ctx.iteration)
         return args, kwargs
-
-    def _prefetch_after(self, group: FSDPParamGroup, ctx: IterContext) -> None:
-        """On accelerators, start gathering the group that ran after ``group`` in the last
-        forward, before this module's kernels are queued (see [Note: prefetch order])."""
-        if not group.guesses_prefetch():
-            return
-        order = ctx.forward_order
-        index = group.order_index
-        if index + 1 < len(order) and order[index] is group:
-            following = order[index + 1]
-            if following.seen_in != ctx.iteration:  # not run yet in this forward
-                take_up_changes(following)  # what its own pre-forward would do first
-                following.unshard()
 
     @_disable_dynamo
     def post_forward(self, output: Any, module: object = None) -> Any:
         if self.output_dtype is not None:
             output = cast_floats(output, self.output_dtype)
-        if self.training_state is TrainingState.PRE_BACKWARD:
+        if self._training_state is TrainingState.PRE_BACKWARD:
             return output
         grad_enabled = torch.is_grad_enabled()
         if _in_backward():
             # Recomputed by a reentrant checkpoint, whose backward comes right after: keep the
             # parameters gathered for it (the group reshards once its gradients are reduced).
-            self.training_state = TrainingState.IDLE
+            self.enter(TrainingState.IDLE)
             if grad_enabled:
                 output = self._hook_outputs(output)
             return output
         if self.groups:
-            _trace("post_forward", self.fqn)
+            trace("post_forward", self.fqn)
             if self._call_unhooked and self.require_ctx().num_forwards != self._call_start:
                 # Inputs without gradients, but sharded modules ran inside: nodes of this call
                 # (a frozen parameter scaling their outputs) lead to their parameters, not ours,
@@ -365,7 +246,7 @@ class FSDPState:
                     group.reshard()
                 elif self.reshard_after_forward and every_member_ran:
                     group.reshard_to_k()
-            self.training_state = TrainingState.IDLE
+            self.enter(TrainingState.IDLE)
         if self.is_root:
             self.require_ctx().end_forward()
             self._free_unused(everything=not grad_enabled)
@@ -422,10 +303,10 @@ class FSDPState:
         ctx = self.require_ctx()
         ctx.queue_end_of_backward()
         ctx.reap()
-        if not self.groups or self.training_state is TrainingState.PRE_BACKWARD:
+        if not self.groups or self._training_state is TrainingState.PRE_BACKWARD:
             return
-        _trace("pre_backward", self.fqn)
-        self.training_state = TrainingState.PRE_BACKWARD
+        trace("pre_backward", self.fqn)
+        self.enter(TrainingState.PRE_BACKWARD)
         for group in self.groups:
             group.reducer.begin_backward()
             if group.settings.unshard_in_backward:
@@ -437,24 +318,9 @@ class FSDPState:
             for target in self.backward_prefetch:
                 target.unshard()
             return
+        root_groups = ctx.states[0].groups
         for group in self.groups:
-            self._prefetch_before(group, ctx)
-
-    def _prefetch_before(self, group: FSDPParamGroup, ctx: IterContext) -> None:
-        if not group.guesses_prefetch():
-            return  # see [Note: prefetch order]
-        order = ctx.forward_order
-        if group.seen_in == ctx.iteration and order and order[group.order_index] is group:
-            # The root prefetches the last group, whose gradients come first; any other group
-            # the one before it, but never the root's: the root's pre-backward ran first and
-            # gathered it, so by now it is either still gathered or done with backward.
-            previous = group  # nothing to prefetch
-            if self.is_root:
-                previous = order[-1]
-            elif group.order_index > 0 and order[group.order_index - 1] not in ctx.states[0].groups:
-                previous = order[group.order_index - 1]
-            if previous is not group and previous.settings.unshard_in_backward:
-                previous.unshard()
+            prefetch_before(group, ctx.forward_order, ctx.iteration, self.is_root, root_groups)
 
     def _post_backward(self, group: FSDPParamGroup) -> None:
         """Every gradient of ``group`` is in; finish it if its modules' backward is done too."""
@@ -473,16 +339,44 @@ class FSDPState:
             return
         group.reducer.grads_ready = False
         ctx = self.require_ctx()
-        _trace("post_backward", self.fqn)
+        trace("post_backward", self.fqn)
         if group.settings.reshard_after_backward and not torch.is_grad_enabled():
             group.reshard()  # first: the reduction needs only the gradients, not the parameters
         if group.settings.requires_gradient_sync:
             ctx.add_reduce(group.reducer.reduce_grads(), group.settings.max_in_flight)
         else:
             group.reducer.stash_grads()
-        self.training_state = TrainingState.POST_BACKWARD
+        self.enter(TrainingState.POST_BACKWARD)
+
+    # -- end of the iteration (called by IterContext) ---------------------------------------------
+
+    def end_backward(self, keep_gathered: bool) -> None:
+        """At the end of backward (``IterContext.end_of_backward``), after the last reductions."""
+        for group in self.groups:
+            group.reducer.reduced_in_backward = False
+            group.reducer.grads_ready = False
+            group.reducer.backward_task = -1
+            if group.settings.reshard_after_backward and not keep_gathered:
+                group.reshard()
+        self.enter(TrainingState.IDLE)
+
+    def forget_iteration(self) -> None:
+        """At a reset (``IterContext.reset``): drop what the failed iteration left."""
+        for group in self.groups:
+            group.reducer.drop_unreduced_grads()
+            group.reducer.reduced_in_backward = False
+            group.reducer.grads_ready = False
+            group.reducer.backward_task = -1
+            group.reshard()
+        self.enter(TrainingState.IDLE)
+        self._call_inputs = []
 
     def __repr__(self) -> str:
         sharded = ",".join(g.state.name for g in self.groups) or "no params"
         role = "root" if self.is_root else "child"
         return f"FSDPState({self.fqn or '<root>'}, {role}, {self.training_state.name}, {sharded})"
+
+
+# The registry of "the fsdp2 states of a module tree" (registry.py), bound to FSDPState.
+STATES: StateRegistry[FSDPState] = StateRegistry()
+state_of = STATES.of

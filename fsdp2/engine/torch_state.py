@@ -25,8 +25,9 @@ import torch.nn as nn
 from torch.distributed._composable.contract import STATE_KEY
 from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard as _torch_fully_shard
 
+from fsdp2.engine.iteration import IterContext
 from fsdp2.engine.param_group import FSDPParamGroup
-from fsdp2.engine.state import FSDPState, IterContext
+from fsdp2.engine.state import FSDPState
 
 __all__ = ["TorchStateView", "register_torch_state", "torch_state"]
 
@@ -64,15 +65,15 @@ class TorchStateView(_Unsupported):
     """One fsdp2 state (one ``fully_shard`` call), as ``fully_shard.state`` returns it."""
 
     def __init__(self, state: FSDPState) -> None:
-        self._fsdp2_state = state
+        self._fsdp_state = state
 
     @property
     def _fsdp_param_groups(self) -> list[_GroupView]:
-        return [_GroupView(group, self._fsdp2_state) for group in self._fsdp2_state.groups]
+        return [_GroupView(group, self._fsdp_state) for group in self._fsdp_state.groups]
 
     @property
     def _state_ctx(self) -> _ContextView:
-        return _ContextView(self._fsdp2_state)
+        return _ContextView(self._fsdp_state)
 
     def _root_post_backward_final_callback(self) -> None:
         """Finish the backward: reduce what no ``post_backward()`` reduced, wait for the
@@ -81,22 +82,22 @@ class TorchStateView(_Unsupported):
         autograd grad mode is on, which the end of backward reads as a ``create_graph``
         backward that keeps parameters gathered: run it as autograd would, without grad."""
         with torch.no_grad():
-            _context(self._fsdp2_state).end_of_backward()
+            _context(self._fsdp_state).end_of_backward()
 
 
 class _ContextView(_Unsupported):
     def __init__(self, state: FSDPState) -> None:
-        self._fsdp2_state = state
+        self._fsdp_state = state
 
     @property
     def all_states(self) -> list[TorchStateView]:
-        return [TorchStateView(s) for s in _context(self._fsdp2_state).states]
+        return [TorchStateView(s) for s in _context(self._fsdp_state).states]
 
 
 class _GroupView(_Unsupported):
     def __init__(self, group: FSDPParamGroup, state: FSDPState) -> None:
         self._group = group
-        self._fsdp2_state = state
+        self._fsdp_state = state
 
     def post_backward(self) -> None:
         """Reduce the gradients the group accumulated (over the microbatches whose backward ran
@@ -110,12 +111,12 @@ class _GroupView(_Unsupported):
         if not group.settings.requires_gradient_sync:
             group.reducer.stash_grads()
         elif group.reducer.reduces_at_end():
-            _context(self._fsdp2_state).add_reduce(
+            _context(self._fsdp_state).add_reduce(
                 group.reducer.reduce_grads(), group.settings.max_in_flight
             )
 
 
-def _context(state: FSDPState) -> IterContext:
+def _context(state: FSDPState) -> IterContext[FSDPState]:
     if state.ctx is None:
         state._lazy_init()  # never ran forward: nothing to reduce, but the calls must work
     return state.require_ctx()

@@ -44,11 +44,11 @@ from torch.utils.checkpoint import (
 
 from fsdp2.engine.changes import take_up_changes
 from fsdp2.engine.policies import cast_floats
+from fsdp2.engine.state import STATES, FSDPState
 
 if TYPE_CHECKING:
     from fsdp2.engine.param import FSDPParam
     from fsdp2.engine.param_group import FSDPParamGroup
-    from fsdp2.engine.state import FSDPState
 
 __all__ = ["set_traced", "traced_forward"]
 
@@ -72,7 +72,7 @@ def set_traced(module: nn.Module, traced: bool = True) -> None:
         ValueError: ``module`` holds no fsdp2 module.
         NotImplementedError: a setting traced mode does not support (named, with the module).
     """
-    states = _states_under(module)
+    states = STATES.under(module)
     if not states:
         raise ValueError(
             f"set_traced expects a module that fully_shard was applied to (or one holding such "
@@ -294,13 +294,4 @@ def _unsupported(state: FSDPState) -> list[str]:
         found.append("an all-reduce hook")
     if not group.settings.requires_gradient_sync:
         found.append("set_requires_gradient_sync(False)")
-    return found
-
-
-def _states_under(module: nn.Module) -> list[FSDPState]:
-    found: list[FSDPState] = []
-    for sub in module.modules():
-        state = sub.__dict__.get("_fsdp2_state")
-        if state is not None and state not in found:
-            found.append(state)
     return found

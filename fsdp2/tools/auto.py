@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from fsdp2.api import fully_shard as fsdp2_fully_shard
-from fsdp2.engine.module import state_of
+from fsdp2.engine.state import state_of
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 # Module classes fully_shard cannot take (no forward to hook): never blocks.

@@ -18,19 +18,26 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from fsdp2.engine.module import state_of
 from fsdp2.engine.param import FSDPParam, parameter
 from fsdp2.engine.param_group import FSDPParamGroup
-from fsdp2.engine.state import FSDPState, TrainingState
+from fsdp2.engine.state import STATES, FSDPState, TrainingState, state_of
 
 __all__ = ["summon_full_params"]
+
+
+class _Summoned(NamedTuple):
+    """A parameter registered in full on its modules while the context is active."""
+
+    fsdp_param: FSDPParam
+    full: nn.Parameter
+
 
 # Groups summoned right now: summoning one twice would register tensors that the outer context
 # then fails to write back.
@@ -90,11 +97,7 @@ def _states_in(module: nn.Module, recurse: bool) -> list[FSDPState]:
                 "pass recurse=True to summon the fsdp2 modules below it"
             )
         return [state]
-    states: list[FSDPState] = []
-    for sub in module.modules():
-        state = state_of(sub)
-        if state is not None and state not in states:
-            states.append(state)
+    states = STATES.under(module)
     if not states:
         raise ValueError(
             f"summon_full_params found no fsdp2 module in this {type(module).__name__}; "
@@ -158,7 +161,7 @@ def _summon_group(
     group: FSDPParamGroup, writeback: bool, keep: bool, offload_to_cpu: bool
 ) -> Iterator[None]:
     group.reshard()
-    fulls: list[tuple[FSDPParam, nn.Parameter]] = []
+    fulls: list[_Summoned] = []
     _summoned.add(group)
     try:
         for fsdp_param in group.fsdp_params:
@@ -166,7 +169,7 @@ def _summon_group(
             if keep:
                 full_param = parameter(full, fsdp_param.sharded_param.requires_grad)
                 fsdp_param.register(full_param)
-                fulls.append((fsdp_param, full_param))
+                fulls.append(_Summoned(fsdp_param, full_param))
         yield
         if writeback:  # not after an exception: the shards keep their values then
             _write_back(fulls)
@@ -189,7 +192,7 @@ def _gather(fsdp_param: FSDPParam, device: torch.device, offload_to_cpu: bool) -
 
 
 @torch.no_grad()
-def _write_back(fulls: list[tuple[FSDPParam, nn.Parameter]]) -> None:
+def _write_back(fulls: list[_Summoned]) -> None:
     for fsdp_param, full_param in fulls:  # check all first: write all or nothing
         owner, name = fsdp_param.slot_modules[0]
         if owner._parameters.get(name) is not full_param:

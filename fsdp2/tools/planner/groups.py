@@ -8,10 +8,9 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from fsdp2.engine.module import state_of
 from fsdp2.engine.param import FSDPParam
 from fsdp2.engine.param_group import FSDPParamGroup
-from fsdp2.engine.state import FSDPState
+from fsdp2.engine.state import STATES, FSDPState
 
 __all__ = ["GroupFacts", "collect_groups"]
 
@@ -53,11 +52,7 @@ class GroupFacts:
 def collect_groups(model: nn.Module) -> list[GroupFacts]:
     """Every group under ``model``, in pre-order (the order forward first reaches them)."""
     names = {id(m): n for n, m in model.named_modules()}
-    states: list[FSDPState] = []
-    for module in model.modules():
-        state = state_of(module)
-        if state is not None and state not in states:
-            states.append(state)
+    states = STATES.under(model)
     reached = _reached_in_backward(model, states)
     facts = []
     for i, state in enumerate(states):

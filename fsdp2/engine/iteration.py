@@ -1,0 +1,151 @@
+"""``IterContext``: what the fsdp2 states under one root share during a training iteration.
+
+The root's lazy init (``FSDPState._lazy_init``) gathers every state below it into one context:
+the order groups ran in (see [Note: prefetch order] in prefetch.py), the reduce-scatters in
+flight and the reduced shards waiting for the end of backward, and the end-of-backward callback,
+which finishes what the per-module hooks left and ends every state's iteration.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Generic, Protocol, TypeVar
+
+import torch
+from torch.autograd import Variable
+
+from fsdp2.engine.grads import Reduced, hand_over
+from fsdp2.engine.param_group import FSDPParamGroup
+from fsdp2.engine.reduce import PendingReduce
+
+__all__ = ["IterContext", "trace"]
+
+logger = logging.getLogger("fsdp2")
+
+
+class Member(Protocol):
+    """What the context asks of each state under its root. ``IterContext`` is generic in the
+    states' type (``FSDPState``), so that it sits below ``state.py``, which builds it."""
+
+    groups: list[FSDPParamGroup]
+
+    def end_backward(self, keep_gathered: bool) -> None:
+        """The end of backward: the state's groups done with it, the state idle."""
+
+    def forget_iteration(self) -> None:
+        """A reset: the state's groups and calls as if the failed iteration never ran."""
+
+
+_Member = TypeVar("_Member", bound=Member)
+
+
+def trace(label: str, fqn: str) -> None:
+    """One event per hook, for the profiler and the ``fsdp2`` logger; near free when both are off."""
+    if torch._C._autograd._profiler_enabled():
+        with torch.profiler.record_function(f"fsdp2::{label} {fqn}"):
+            pass
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("fsdp2::%s %s", label, fqn)
+
+
+class IterContext(Generic[_Member]):
+    """What the states under one root share during a training iteration."""
+
+    def __init__(self, states: list[_Member]) -> None:
+        self.states = states  # pre-order: the root first
+        self.groups = [group for s in states for group in s.groups]
+        self.forward_order: list[FSDPParamGroup] = []  # last completed forward's group order
+        self.recording: list[FSDPParamGroup] = []
+        self.iteration = 0
+        self.in_flight: deque[PendingReduce] = deque()  # reduce-scatters not waited for yet
+        # Reduced shards are handed to the parameters only when backward ends, so a backward
+        # that raises leaves no partial gradients behind (see reset()).
+        self.reduced: list[Reduced] = []
+        self.callback_queued = False
+        self.num_backwards = 0  # ends of backward so far: with the iteration, names a round
+        self.num_forwards = 0  # sharded forward calls so far: which ran inside which
+        # The root's forward is running with grad enabled: a nested forward under no_grad is then
+        # part of a training step (a reentrant checkpoint's first pass), not an evaluation.
+        self.training_forward = False
+        self.is_last_backward = True
+        self.post_optim_event: torch.Event | None = None
+
+    def record(self, group: FSDPParamGroup) -> None:
+        """Note that ``group`` runs now (its first call this iteration fixes its position)."""
+        if group.seen_in != self.iteration:
+            group.seen_in = self.iteration
+            group.order_index = len(self.recording)
+            self.recording.append(group)
+
+    def start_forward(self) -> None:
+        if self.callback_queued:
+            # The last backward never reached its end (it raised): recover before going on.
+            self.reset()
+        if self.post_optim_event is not None:
+            self.post_optim_event.wait()
+            self.post_optim_event = None
+        self.iteration += 1
+        self.recording = []
+        self.training_forward = torch.is_grad_enabled()
+
+    def end_forward(self) -> None:
+        self.forward_order = self.recording
+        self.training_forward = False
+
+    def queue_end_of_backward(self) -> None:
+        if not self.callback_queued:
+            self.callback_queued = True
+            Variable._execution_engine.queue_callback(self.end_of_backward)
+
+    def add_reduce(self, reduce: PendingReduce | None, max_in_flight: int) -> None:
+        """Put ``reduce`` in flight, first finishing older ones beyond ``max_in_flight - 1``."""
+        if reduce is None:
+            return
+        while len(self.in_flight) >= max_in_flight:
+            self.reduced.extend(self.in_flight.popleft().finish())
+        self.in_flight.append(reduce)
+
+    def reap(self) -> None:
+        """Finish the reduce-scatters that have completed, oldest first, without blocking: each
+        holds an input as large as its group's gradients until then. Not those whose finish
+        issues a collective (HSDP): completion times differ between ranks."""
+        while self.in_flight and self.in_flight[0].finished_locally():
+            self.reduced.extend(self.in_flight.popleft().finish())
+
+    def end_of_backward(self) -> None:
+        """Reduce whatever was not reduced yet, wait for it all, and reshard every group.
+        After a backward with ``create_graph=True`` (grad mode is on in its hooks) the groups
+        stay gathered: the graph it built (a gradient penalty's) uses the unsharded parameters
+        in the next backward, which reshards them."""
+        trace("end_of_backward", "")
+        keep_gathered = torch.is_grad_enabled()
+        for group in self.groups:
+            if not group.settings.requires_gradient_sync:
+                # A group whose module's backward did not finish in this backward (a list group
+                # where only one module ran: torchtitan's chunked loss on [norm, lm_head]) has not
+                # stashed yet; left in .grad, the next micro-step would sum in param_dtype.
+                group.reducer.stash_grads()
+            elif group.reducer.reduces_at_end():
+                if group.settings.reshard_after_backward and not keep_gathered:
+                    group.reshard()  # first, as in _finish_if_done: free before the collective
+                self.add_reduce(group.reducer.reduce_grads(), max_in_flight=1_000_000)
+        if self.is_last_backward:
+            while self.in_flight:
+                self.reduced.extend(self.in_flight.popleft().finish())
+        hand_over(self.reduced)
+        self.reduced = []
+        for state in self.states:
+            state.end_backward(keep_gathered)
+        self.callback_queued = False
+        self.num_backwards += 1
+
+    def reset(self) -> None:
+        """Forget a failed iteration: its collectives, its gradients, its unsharded parameters."""
+        while self.in_flight:
+            self.in_flight.popleft().finish()
+        self.reduced = []
+        for state in self.states:
+            state.forget_iteration()
+        self.callback_queued = False
+        self.training_forward = False
