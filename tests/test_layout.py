@@ -17,11 +17,6 @@ PACKAGE = Path(__file__).resolve().parent.parent / "fsdp2"
 LAYERS = {"debug": 0, "engine": 1, "api": 2, "tools": 3, "optim": 3, "plan": 4, "": 4}
 
 
-# Being removed in this change (issue 23); the list must end empty.
-KNOWN_CYCLES: list[list[str]] = []
-KNOWN_UPWARD: list[str] = []
-
-
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
     if parts[-1] == "__init__":
@@ -121,7 +116,7 @@ def test_readme_layout_has_a_line_per_file() -> None:
 
 
 def test_no_import_cycle() -> None:
-    found = [c for c in cycles(graph()) if c not in KNOWN_CYCLES]
+    found = cycles(graph())
     assert not found, "import cycles inside fsdp2/:\n" + "\n".join(" <-> ".join(c) for c in found)
 
 
@@ -130,7 +125,7 @@ def test_nothing_imports_upward() -> None:
         f"{src} imports {dst}"
         for src, targets in graph().items()
         for dst in targets
-        if layer(dst) > layer(src) and f"{src} imports {dst}" not in KNOWN_UPWARD
+        if layer(dst) > layer(src)
     )
     assert not upward, "imports from a higher layer:\n" + "\n".join(upward)
 
