@@ -17,6 +17,16 @@ How the blocks are chosen (without ``block_types``):
 A block that shares a parameter (tied weights) or a submodule with anything outside it is not
 sharded on its own: its parameters stay with the nearest sharded ancestor, which holds every use,
 so a tied parameter always lives in exactly one group.
+
+Small blocks are grouped (``min_group_bytes``, default 256 KiB of parameters): each group costs an
+all-gather and a reduce-scatter per step whose time, below a few hundred KiB, is the backend's
+latency (~0.2-0.5 ms on gloo, tens of us on NCCL) whatever the size. So a block smaller than
+``min_group_bytes`` shares one ``fully_shard([...])`` call with the blocks after it in its run
+(consecutive siblings of one class, none skipped between them), until the call holds at least
+``min_group_bytes``; a block that large is sharded alone, as without grouping. A list group is
+gathered once, at its first member's forward, and resharded after its last member's (any order
+is correct; the registration order, the usual execution order, keeps the gathered bytes short
+lived), so the memory it adds is under twice ``min_group_bytes``.
 """
 
 from __future__ import annotations
@@ -35,19 +45,37 @@ from fsdp2.engine.state import state_of
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 # Module classes fully_shard cannot take (no forward to hook): never blocks.
 _NOT_BLOCKS = (nn.ModuleList, nn.ModuleDict)
+# Below this many bytes an all-gather's time is its latency (gloo at 2 ranks: 0.19 ms at 64 B,
+# 0.22 ms at 256 KiB, 0.74 ms at 1 MiB; NCCL's knee is higher, ~1 MiB): see docs/performance.md.
+DEFAULT_MIN_GROUP_BYTES = 256 * 1024
 BlockTypes = Sequence[type[nn.Module] | str] | set[type[nn.Module] | str]
 
 
 @dataclass(frozen=True)
 class ShardCall:
-    """One ``fully_shard(model.get_submodule(fqn), **kwargs)`` call."""
+    """One ``fully_shard(model.get_submodule(fqn), **kwargs)`` call, or for several modules one
+    ``fully_shard([model.get_submodule(f) for f in fqns], **kwargs)`` call (one group)."""
 
-    fqn: str
-    """The module's name in the model ("" for the root)."""
+    fqns: tuple[str, ...]
+    """The modules' names in the model ("" for the root): one, or a group's, in order."""
     kwargs: dict[str, Any]
     """Every keyword argument of the call, the common ones included."""
     numel: int
     """Parameter elements this call claims: its group's unsharded size."""
+    nbytes: tuple[int, ...]
+    """Parameter bytes each module of ``fqns`` brings to the call (what grouping compares)."""
+
+    @property
+    def target(self) -> str | list[str]:
+        """What ``fully_shard`` is given, by name: the fqn, or a list of them for a group."""
+        return self.fqns[0] if len(self.fqns) == 1 else list(self.fqns)
+
+    @property
+    def name(self) -> str:
+        """How the printout names the call."""
+        if len(self.fqns) == 1:
+            return self.fqns[0] or "<root>"
+        return f"[{self.fqns[0]} .. {self.fqns[-1]}] ({len(self.fqns)})"
 
 
 @dataclass(frozen=True)
@@ -59,25 +87,30 @@ class AutoShardResult:
     """The keyword arguments every call got (``mesh`` and the caller's ``fully_shard_kwargs``)."""
     skipped: tuple[tuple[str, str], ...] = field(default=())
     """(fqn, why) for each block that was not sharded on its own."""
+    min_group_bytes: int | None = None
+    """The grouping threshold used (``None``: grouping was off)."""
 
-    def __iter__(self) -> Iterator[tuple[str, dict[str, Any]]]:
-        """(fqn, kwargs) per call: ``for fqn, kw in result: fully_shard(m.get_submodule(fqn), **kw)``."""
-        return iter([(c.fqn, dict(c.kwargs)) for c in self.calls])
+    def __iter__(self) -> Iterator[tuple[str | list[str], dict[str, Any]]]:
+        """(target, kwargs) per call, the target an fqn or, for a group, a list of fqns:
+        ``fully_shard(m.get_submodule(t) if isinstance(t, str) else [m.get_submodule(f) for f
+        in t], **kw)``."""
+        return iter([(c.target, dict(c.kwargs)) for c in self.calls])
 
     def apply(self, model: nn.Module, fully_shard: Callable[..., Any] | None = None) -> None:
         """Make the same calls on ``model`` (a fresh copy of the same structure). ``fully_shard``:
         whose implementation to call (e.g. torch's, to compare); fsdp2's by default."""
         shard = fsdp2_fully_shard if fully_shard is None else fully_shard
-        modules = [_submodule(model, c.fqn) for c in self.calls]  # all found before any call
-        for module, call in zip(modules, self.calls, strict=True):
-            shard(module, **call.kwargs)
+        # All found before any call.
+        targets = [[_submodule(model, fqn) for fqn in c.fqns] for c in self.calls]
+        for modules, call in zip(targets, self.calls, strict=True):
+            shard(modules[0] if len(modules) == 1 else modules, **call.kwargs)
 
     def __str__(self) -> str:
         rows = [("module", "params", "options")]
         for c in self.calls:
             own = {k: v for k, v in c.kwargs.items() if k not in self.common}
             options = ", ".join(f"{k}={v!r}" for k, v in own.items()) or "-"
-            rows.append((c.fqn or "<root>", f"{c.numel:,}", options))
+            rows.append((c.name, f"{c.numel:,}", options))
         widths = [max(len(r[i]) for r in rows) for i in range(2)]
         plural = "s" if len(self.calls) > 1 else ""
         lines = [f"auto_shard: {len(self.calls)} fully_shard call{plural}, bottom-up"]
@@ -87,9 +120,25 @@ class AutoShardResult:
             common = ", ".join(f"{k}={v!r}" for k, v in self.common.items())
             lines.append(f"every call also gets: {common}")
         lines += [f"not sharded on its own: {fqn} ({why})" for fqn, why in self.skipped]
+        lines += self._grouping_lines()
         if len(self.calls) == 1 and not self.skipped:
             lines.append("no repeated blocks found: the root holds every parameter")
         return "\n".join(lines)
+
+    def _grouping_lines(self) -> list[str]:
+        """Why blocks share a call: the threshold, the grouped blocks' sizes."""
+        groups = [c for c in self.calls if len(c.fqns) > 1]
+        if not groups:
+            return []
+        sizes = [b for c in groups for b in c.nbytes]
+        plural = "s" if len(groups) > 1 else ""
+        return [
+            f"grouped: {len(sizes)} blocks under min_group_bytes={self.min_group_bytes:,} "
+            f"({min(sizes):,} to {max(sizes):,} bytes of parameters each) in {len(groups)} "
+            f"fully_shard([...]) call{plural}, consecutive blocks of a run until a call holds "
+            "min_group_bytes: below that, a collective costs the backend's latency whatever its "
+            "size (min_group_bytes=None: one call per block)"
+        ]
 
 
 def auto_shard(
@@ -97,13 +146,14 @@ def auto_shard(
     *,
     mesh: DeviceMesh | None = None,
     block_types: BlockTypes | None = None,
+    min_group_bytes: int | None = DEFAULT_MIN_GROUP_BYTES,
     **fully_shard_kwargs: Any,
 ) -> AutoShardResult:
-    """``fully_shard`` each repeated block of ``model`` (bottom-up), then ``model``; return the
-    calls made.
+    """``fully_shard`` each repeated block of ``model`` (bottom-up), small consecutive ones
+    together, then ``model``; return the calls made.
 
     Without an explicit ``reshard_after_forward``, blocks reshard after forward except the last
-    one, whose parameters backward needs first (the root keeps fully_shard's default). Tied
+    call's, whose parameters backward needs first (the root keeps fully_shard's default). Tied
     weights stay in their common ancestor's group.
 
     Args:
@@ -112,13 +162,24 @@ def auto_shard(
         block_types: classes (or class names) whose instances are the blocks; by default the
             largest runs of same-class children of a ``ModuleList``/``Sequential``/
             ``ModuleDict`` (see the module docstring).
+        min_group_bytes: blocks with fewer bytes of parameters than this share one
+            ``fully_shard([...])`` call with the next blocks of their run until the call holds
+            this many (default 256 KiB: below it a collective costs its latency, see the
+            module docstring); blocks this large are sharded alone. ``None`` (or 0): one call
+            per block.
         **fully_shard_kwargs: passed to every ``fully_shard`` call (``mp_policy``, ...).
 
     Returns:
         An :class:`AutoShardResult`: the calls made (``print`` it, iterate ``(fqn, kwargs)``
         pairs, or ``apply`` them to a fresh model).
     """
-    result = plan_auto_shard(model, mesh=mesh, block_types=block_types, **fully_shard_kwargs)
+    result = plan_auto_shard(
+        model,
+        mesh=mesh,
+        block_types=block_types,
+        min_group_bytes=min_group_bytes,
+        **fully_shard_kwargs,
+    )
     result.apply(model)
     return result
 
@@ -128,10 +189,12 @@ def plan_auto_shard(
     *,
     mesh: DeviceMesh | None = None,
     block_types: BlockTypes | None = None,
+    min_group_bytes: int | None = DEFAULT_MIN_GROUP_BYTES,
     **fully_shard_kwargs: Any,
 ) -> AutoShardResult:
     """What `auto_shard` would call, without calling it (nothing is modified)."""
     _check_model(model)
+    _check_min_group_bytes(min_group_bytes)
     common = dict(fully_shard_kwargs)
     if mesh is not None:
         common = {"mesh": mesh, **common}
@@ -140,19 +203,26 @@ def plan_auto_shard(
     else:
         candidates = _blocks_of_types(model, _check_block_types(block_types))
     blocks, skipped = _untied(model, candidates)
-    calls_kwargs = [dict(common) for _ in blocks]
-    if "reshard_after_forward" not in common and blocks:
-        for kwargs in calls_kwargs:
+    targets = [*_grouped(model, blocks, min_group_bytes or 0), ("",)]
+    calls_kwargs = [dict(common) for _ in targets]
+    if "reshard_after_forward" not in common and len(targets) > 1:
+        for kwargs in calls_kwargs[:-1]:
             kwargs["reshard_after_forward"] = True
         # The last block's backward runs first: resharding it would gather it right back.
-        calls_kwargs[-1]["reshard_after_forward"] = False
-    calls_kwargs.append(dict(common))
-    numels = _claimed_numels(model, [*blocks, ""])
-    calls = tuple(
-        ShardCall(fqn, kw, n)
-        for fqn, kw, n in zip([*blocks, ""], calls_kwargs, numels, strict=True)
+        calls_kwargs[-2]["reshard_after_forward"] = False
+    claims = _claimed(model, [fqn for target in targets for fqn in target])
+    calls = []
+    for fqns, kwargs in zip(targets, calls_kwargs, strict=True):
+        nbytes = tuple(_nbytes(claims[fqn]) for fqn in fqns)
+        calls.append(
+            ShardCall(fqns, kwargs, sum(p.numel() for f in fqns for p in claims[f]), nbytes)
+        )
+    return AutoShardResult(
+        calls=tuple(calls),
+        common=common,
+        skipped=tuple(skipped),
+        min_group_bytes=min_group_bytes or None,
     )
-    return AutoShardResult(calls=calls, common=common, skipped=tuple(skipped))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,6 +244,22 @@ def _check_model(model: nn.Module) -> None:
         raise ValueError(
             f"auto_shard: {type(model).__name__} has no parameters, so there is nothing to "
             "shard; build the model before sharding it"
+        )
+
+
+def _check_min_group_bytes(min_group_bytes: object) -> None:
+    if min_group_bytes is None:
+        return
+    if not isinstance(min_group_bytes, int) or isinstance(min_group_bytes, bool):
+        raise TypeError(
+            "auto_shard: min_group_bytes must be an int (bytes of parameters) or None, got "
+            f"{min_group_bytes!r}; e.g. min_group_bytes=1 << 20, or None to shard each block "
+            "alone"
+        )
+    if min_group_bytes < 0:
+        raise ValueError(
+            f"auto_shard: min_group_bytes must be >= 0, got {min_group_bytes}; pass a size in "
+            "bytes, or None (or 0) to shard each block alone"
         )
 
 
@@ -300,15 +386,66 @@ def _untied(model: nn.Module, blocks: list[str]) -> tuple[list[str], list[tuple[
     return kept, skipped
 
 
-def _claimed_numels(model: nn.Module, fqns: list[str]) -> list[int]:
-    """Parameter elements each call claims, in call order (the first call to reach one owns it)."""
+def _claimed(model: nn.Module, fqns: list[str]) -> dict[str, list[nn.Parameter]]:
+    """The parameters each module claims, in call order (the first call to reach one owns it)."""
     claimed: set[int] = set()
-    numels = []
+    out = {}
     for fqn in fqns:
         params = [p for p in model.get_submodule(fqn).parameters() if id(p) not in claimed]
         claimed.update(id(p) for p in params)
-        numels.append(sum(p.numel() for p in params))
-    return numels
+        out[fqn] = params
+    return out
+
+
+def _nbytes(params: list[nn.Parameter]) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouping small blocks
+# ---------------------------------------------------------------------------------------------
+
+
+def _run_position(model: nn.Module, fqn: str) -> tuple[str, type, int]:
+    """(parent, class, index among the parent's children of that class): two blocks follow
+    each other in one run when the first two agree and the indices are consecutive."""
+    parent, _, name = fqn.rpartition(".")
+    module = model.get_submodule(fqn)
+    siblings = [
+        n
+        for n, child in model.get_submodule(parent).named_children()
+        if type(child) is type(module)
+    ]
+    return parent, type(module), siblings.index(name)
+
+
+def _grouped(model: nn.Module, blocks: list[str], min_group_bytes: int) -> list[tuple[str, ...]]:
+    """``blocks`` (in call order) as the modules of each call: a block under
+    ``min_group_bytes`` joins the open group of the block just before it in its run, until the
+    group holds ``min_group_bytes``; a block that large is alone."""
+    claims = _claimed(model, blocks)
+    out: list[list[str]] = []
+    open_bytes = 0  # bytes of out[-1] while it is open to the next block; 0: closed
+    previous: tuple[str, type, int] | None = None
+    for fqn in blocks:
+        nbytes = _nbytes(claims[fqn])
+        position = _run_position(model, fqn) if min_group_bytes else None
+        follows = (
+            position is not None
+            and previous is not None
+            and position[:2] == previous[:2]
+            and position[2] == previous[2] + 1
+        )
+        if nbytes < min_group_bytes and follows and open_bytes:
+            out[-1].append(fqn)
+            open_bytes += nbytes
+        else:
+            out.append([fqn])
+            open_bytes = nbytes if nbytes < min_group_bytes else 0
+        if open_bytes >= min_group_bytes:
+            open_bytes = 0
+        previous = position
+    return [tuple(group) for group in out]
 
 
 def _submodule(model: nn.Module, fqn: str) -> nn.Module:
