@@ -421,6 +421,7 @@ def test_groups_never_span_a_skipped_block_a_large_one_or_two_runs() -> None:
 def test_plan_on_meta_groups_alike() -> None:
     with torch.device("meta"):
         meta = plan_auto_shard(ManySmall())
+    assert len(meta.calls) == 4  # 3 groups and the root, decided from shapes and dtypes alone
     assert list(meta) == list(plan_auto_shard(ManySmall()))
 
 
