@@ -175,3 +175,33 @@ def test_memory_bounded_by_budget() -> None:
     the shared output (within the budget), and each copies out only when it runs."""
     for peak in run_on_ranks(2, _memory_bound, BUDGET):
         assert 0 < peak <= BUDGET
+
+
+def _ranks_disagree() -> str:
+    """Coalescing on rank 0 only, with the collective checks on: the first coalesced gather
+    (the first backward's) meets a single group's on rank 1. Returns the error this rank raised."""
+    import fsdp2
+    from fsdp2.engine.coalesce import set_coalesce_bytes
+    from tests.models import MODELS
+
+    set_coalesce_bytes(BUDGET if dist.get_rank() == 0 else 0)
+    fsdp2.set_collective_checks(True)
+    try:
+        model, _ = _sharded_twins()
+        for step in range(2):
+            x, y = MODELS["mlp"].make_batch(torch.Generator().manual_seed(step), 4)
+            model(x, y).backward()
+    except fsdp2.CollectiveMismatchError as error:
+        return str(error)
+    finally:
+        set_coalesce_bytes(0)
+        fsdp2.set_collective_checks(False)
+    raise AssertionError("expected a CollectiveMismatchError")
+
+
+def test_collective_checks_name_the_coalesced_groups() -> None:
+    """FSDP2_CHECK_COLLECTIVES compares the coalesced gather as one collective named after its
+    groups: ranks that bucket differently raise on every rank instead of exchanging wrong
+    sizes."""
+    for message in run_on_ranks(2, _ranks_disagree):
+        assert "all-gather #13 for `blocks.11+blocks.10+blocks.9`" in message, message
