@@ -2,7 +2,8 @@
 
 Read the files in the order data flows through them: ``module.py`` (the methods a sharded module
 gains) → ``state.py`` (the hooks around forward and backward; ``registry.py`` finds the states,
-``iteration.py`` holds one root's pass, ``prefetch.py`` picks what to gather next) →
+``iteration.py`` holds one root's pass, ``prefetch.py`` picks what to gather next,
+``coalesce.py`` gathers runs of small groups in one collective) →
 ``param_group.py`` (one
 ``fully_shard`` call's parameters: the unshard/reshard state machine) → ``layout.py`` and
 ``param.py`` (where each parameter lives in the group's flat buffers) → ``reduce.py`` (the

@@ -70,6 +70,10 @@ class IterContext(Generic[_Member]):
         self.training_forward = False
         self.is_last_backward = True
         self.post_optim_event: torch.Event | None = None
+        # Whether gathers may be coalesced (no explicit prefetch anywhere), and the iteration
+        # that was decided in (FSDPState._may_coalesce).
+        self.coalesce_ok = False
+        self.coalesce_in = -1
 
     def record(self, group: FSDPParamGroup) -> None:
         """Note that ``group`` runs now (its first call this iteration fixes its position)."""

@@ -25,7 +25,7 @@ from fsdp2.engine.policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from fsdp2.engine.reduce import GradientReducer
 from fsdp2.engine.settings import GroupSettings
 
-__all__ = ["FSDPParamGroup", "ShardedState"]
+__all__ = ["FSDPParamGroup", "InFlightGather", "ShardedState", "SharedOutput"]
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -70,13 +70,28 @@ _ENTERED_FROM = {
 }
 
 
+class SharedOutput:
+    """The output of a coalesced gather (coalesce.py), freed once every group it served is done
+    with it: copied out, or resharded without."""
+
+    def __init__(self, out: torch.Tensor, users: int) -> None:
+        self.out = out
+        self.users = users
+
+    def release(self) -> None:
+        self.users -= 1
+        if self.users == 0:  # as for an owned buffer: not left to the collective's reference
+            self.out.untyped_storage().resize_(0)
+
+
 class InFlightGather(NamedTuple):
     """An issued all-gather, not yet copied out."""
 
     pending: Pending
-    out: torch.Tensor  # 1-D, rank-major: every rank's send buffer
+    out: torch.Tensor  # rank-major: every rank's send buffer (1-D, or (W, n) when coalesced)
     packing: Packing | None  # the extension parameters' metadata, if any
     owned: bool  # ``out`` is ours to free: not a custom collective's buffer, not the shard itself
+    shared: SharedOutput | None = None  # a coalesced gather's output, ``out`` a slice of it
 
 
 class FSDPParamGroup:
@@ -201,6 +216,15 @@ class FSDPParamGroup:
         pending = self.all_gather(out, source, group, layout.label, comm)
         self._gather = InFlightGather(pending, out, packing, comm is None)
 
+    def start_shared_gather(self, gather: InFlightGather) -> None:
+        """Take this group's part of a coalesced gather (coalesce.py) as its gather under way."""
+        if self.state is not ShardedState.SHARDED or self._gather is not None:
+            raise AssertionError(
+                f"coalesced gather '{self.label}': expected a sharded group with no gather under "
+                f"way, found {self.state.name} with {self._gather is not None}"
+            )
+        self._gather = gather
+
     @_plain_tensors
     def wait_for_unshard(self) -> None:
         """Finish the gather, if any, and register the unsharded parameters on the modules."""
@@ -208,7 +232,7 @@ class FSDPParamGroup:
             return
         self.unshard()
         if self._gather is not None:
-            pending, out, packing, owned = self._gather
+            pending, out, packing, owned, shared = self._gather
             self._gather = None
             self._k_block = None
             pending.wait()
@@ -220,6 +244,8 @@ class FSDPParamGroup:
                 # (gloo drops its own on a worker thread), and a block-sized buffer must not
                 # outlive the copy-out by chance.
                 out.untyped_storage().resize_(0)
+            if shared is not None:
+                shared.release()
         for fsdp_param in self.fsdp_params:
             fsdp_param.register(fsdp_param.unsharded_param, replacing=fsdp_param.sharded_param)
         self._enter(ShardedState.UNSHARDED)
@@ -249,6 +275,8 @@ class FSDPParamGroup:
         """Register the sharded parameters, enter ``state`` and free the unsharded storage."""
         if self._gather is not None:  # a prefetch nobody used: let it land before freeing
             self._gather.pending.wait()
+            if self._gather.shared is not None:
+                self._gather.shared.release()
             self._gather = None
         if self.state is ShardedState.UNSHARDED:
             for fsdp_param in self.fsdp_params:

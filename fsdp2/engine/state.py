@@ -21,6 +21,7 @@ from torch._compile import _disable_dynamo
 
 from fsdp2.engine.agreement import check_materialized
 from fsdp2.engine.changes import take_up_changes
+from fsdp2.engine.coalesce import coalesce_bytes, gather_with_following
 from fsdp2.engine.inputs import InputHooks
 from fsdp2.engine.iteration import IterContext, trace
 from fsdp2.engine.param_group import FSDPParamGroup
@@ -192,9 +193,11 @@ class FSDPState:
             return args, kwargs
         trace("pre_forward", self.fqn)
         self.enter(TrainingState.FORWARD)
+        coalesce = not recompute and self._may_coalesce(ctx)
         for group in self.groups:  # issue every gather before waiting for any
             take_up_changes(group)
-            group.unshard()
+            if not (coalesce and gather_with_following(group, ctx, backward=False)):
+                group.unshard()
         for group in self.groups:
             group.wait_for_unshard()
             ctx.record(group)
@@ -254,6 +257,19 @@ class FSDPState:
             output = self._hook_outputs(output)
         return output
 
+    @staticmethod
+    def _may_coalesce(ctx: IterContext[FSDPState]) -> bool:
+        """Whether coalescing is on and no state has explicit prefetch targets: the user's
+        order then rules ([Note: coalesced gathers]). Asked once per iteration."""
+        if not coalesce_bytes():
+            return False
+        if ctx.coalesce_in != ctx.iteration:
+            ctx.coalesce_in = ctx.iteration
+            ctx.coalesce_ok = all(
+                s.forward_prefetch is None and s.backward_prefetch is None for s in ctx.states
+            )
+        return ctx.coalesce_ok
+
     def _member_ran(self, module: object) -> bool:
         """Note that ``module`` finished a forward; whether every module of this call has run
         since the group was last gathered for forward. One ``fully_shard([a, b])`` group is
@@ -307,10 +323,12 @@ class FSDPState:
             return
         trace("pre_backward", self.fqn)
         self.enter(TrainingState.PRE_BACKWARD)
+        coalesce = self._may_coalesce(ctx)
         for group in self.groups:
             group.reducer.begin_backward()
             if group.settings.unshard_in_backward:
-                group.unshard()
+                if not (coalesce and gather_with_following(group, ctx, backward=True)):
+                    group.unshard()
         for group in self.groups:
             if group.settings.unshard_in_backward:
                 group.wait_for_unshard()

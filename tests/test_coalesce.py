@@ -1,0 +1,209 @@
+"""Coalesced all-gathers of small groups ([Note: coalesced gathers], engine/coalesce.py).
+
+A stack of tiny blocks, each its own group, trains with coalescing on: the same numbers as one
+process (tolerance) and bitwise the same as coalescing off (an all-gather moves bytes: each
+group receives exactly what its own gather would have brought), fewer all-gathers, each within
+the budget, and the unsharded memory bounded by it.
+
+fsdp2-only: coalescing and the internals the memory bound reads are fsdp2's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from tests.harness import run_on_ranks
+from tests.models import MLPStack
+from tests.parity import twins
+from tests.parity.compare import full
+from tests.parity.lockstep import labels, same_on_all_ranks, train_side_by_side
+
+pytestmark = pytest.mark.usefixtures("fsdp2_only")
+
+NUM_BLOCKS = 12
+FROZEN = 5  # a frozen block in the middle: gathered, never reduced
+# At 2 ranks a 16x16 block gathers 1,088 bytes, the first (8x16) 576, the head 272: three blocks
+# (and the head and the first) fit in a bucket, the fourth starts the next.
+BUDGET = 3_300
+
+
+def _build() -> nn.Module:
+    model = MLPStack(NUM_BLOCKS)
+    model.blocks[FROZEN].requires_grad_(False)
+    return model
+
+
+def _sharded_twins() -> tuple[nn.Module, nn.Module]:
+    from fsdp2 import fully_shard
+
+    model, ref = twins(_build)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model, ref
+
+
+def _train(budget: int, num_micro: int) -> dict[str, Any]:
+    """Train with coalescing at ``budget``; the losses, the final full parameters, and the
+    all-gathers of each step."""
+    from fsdp2.engine.coalesce import set_coalesce_bytes
+    from tests.models import MODELS
+
+    set_coalesce_bytes(budget)
+    try:
+        model, ref = _sharded_twins()
+
+        def no_sync_but_last(step: int, micro: int) -> None:
+            model.set_requires_gradient_sync(micro == num_micro - 1)  # type: ignore[operator]
+
+        out = train_side_by_side(
+            model,
+            ref,
+            MODELS["mlp"].make_batch,
+            dp_rank=dist.get_rank(),
+            dp_size=dist.get_world_size(),
+            num_steps=3,
+            num_micro=num_micro,
+            before_micro=no_sync_but_last,
+        )
+    finally:
+        set_coalesce_bytes(0)
+    return {
+        "losses": out.losses,
+        "params": {n: full(p) for n, p in model.named_parameters()},
+        "gathers": [labels(records, "all_gather") for records in out.records],
+        "gather_bytes": [
+            [r.output_nbytes for r in records if r.kind == "all_gather"] for records in out.records
+        ],
+    }
+
+
+def _parity(num_micro: int) -> dict[str, Any]:
+    on = _train(BUDGET, num_micro)
+    off = _train(0, num_micro)
+    if on["losses"] != off["losses"]:
+        raise AssertionError(f"losses differ: coalesced {on['losses']}, alone {off['losses']}")
+    for name, p in on["params"].items():
+        if not torch.equal(p, off["params"][name]):
+            raise AssertionError(f"{name}: coalesced training differs from coalescing off")
+    same_on_all_ranks(on["gathers"])
+    return {"on": on["gathers"], "off": off["gathers"], "bytes": on["gather_bytes"]}
+
+
+def _expected_buckets(groups: list[str], sizes: dict[str, int], budget: int) -> list[str]:
+    """Consecutive groups, each bucket's bytes within the budget (greedy, in order)."""
+    buckets: list[list[str]] = []
+    total = budget + 1
+    for g in groups:
+        if total + sizes[g] > budget:
+            buckets.append([])
+            total = 0
+        buckets[-1].append(g)
+        total += sizes[g]
+    return ["+".join(b) for b in buckets]
+
+
+@pytest.mark.parametrize("num_micro", [1, 2], ids=["sync", "no_sync"])
+def test_parity_and_counts(num_micro: int) -> None:
+    """Against one process (train_side_by_side) and bitwise against coalescing off, over three
+    AdamW steps, with a frozen block in the middle, with and without gradient accumulation."""
+    result = run_on_ranks(2, _parity, num_micro)[0]
+    blocks = [f"blocks.{i}" for i in range(NUM_BLOCKS)]
+    # Coalescing off: one gather per group in forward, one per block in each backward.
+    assert len(result["off"][1]) == num_micro * (1 + 2 * NUM_BLOCKS)
+    # The first forward has no recorded order: nothing coalesces until it ends.
+    sizes = {"": 272, "blocks.0": 576, **dict.fromkeys(blocks[1:], 1088)}
+    forward = _expected_buckets(["", *blocks], sizes, BUDGET)
+    backward = _expected_buckets(blocks[::-1], sizes, BUDGET)  # the root stays gathered
+    assert forward == ["+blocks.0+blocks.1+blocks.2"] + [
+        "+".join(blocks[i : i + 3]) for i in (3, 6, 9)
+    ]
+    for step in (1, 2):
+        assert result["on"][step] == (forward + backward) * num_micro, step
+    assert max(max(b) for b in result["bytes"]) <= BUDGET
+
+
+def _memory_bound(budget: int) -> int:
+    """Train two steps; the most unsharded bytes held at once, outside the root's group and the
+    running block's, by the groups and the coalesced gathers' outputs."""
+    from fsdp2.engine import coalesce
+    from fsdp2.engine.coalesce import set_coalesce_bytes
+    from tests.models import MODELS
+
+    outputs: list[torch.Tensor] = []
+    real = coalesce.all_gather
+
+    def spy(out: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        outputs.append(out)
+        return real(out, *args, **kwargs)
+
+    coalesce.all_gather = spy  # type: ignore[assignment]
+    set_coalesce_bytes(budget)
+    try:
+        model, _ = _sharded_twins()
+        root = model._get_fsdp_state().group  # type: ignore[operator]
+        peak = [0]
+
+        def held(running: nn.Module) -> None:
+            own = running._get_fsdp_state().group  # type: ignore[operator]
+            groups = [b._get_fsdp_state().group for b in model.blocks]  # type: ignore[operator]
+            nbytes = sum(g.layout.unsharded_nbytes() for g in groups if g not in (root, own))
+            nbytes += sum(o.untyped_storage().nbytes() for o in outputs)
+            peak[0] = max(peak[0], nbytes)
+
+        for block in model.blocks:
+            block.register_forward_pre_hook(lambda m, a: held(m))
+            block.register_full_backward_pre_hook(lambda m, g: held(m))
+        for step in range(3):
+            x, y = MODELS["mlp"].make_batch(torch.Generator().manual_seed(step), 4)
+            model(x, y).backward()
+    finally:
+        set_coalesce_bytes(0)
+        coalesce.all_gather = real  # type: ignore[assignment]
+    if not outputs:
+        raise AssertionError("expected coalesced gathers, found none")
+    return peak[0]
+
+
+def test_memory_bounded_by_budget() -> None:
+    """Outside the running block, never more than the budget: the gathered-ahead groups wait in
+    the shared output (within the budget), and each copies out only when it runs."""
+    for peak in run_on_ranks(2, _memory_bound, BUDGET):
+        assert 0 < peak <= BUDGET
+
+
+def _ranks_disagree() -> str:
+    """Coalescing on rank 0 only, with the collective checks on: the first coalesced gather
+    (the first backward's) meets a single group's on rank 1. Returns the error this rank raised."""
+    import fsdp2
+    from fsdp2.engine.coalesce import set_coalesce_bytes
+    from tests.models import MODELS
+
+    set_coalesce_bytes(BUDGET if dist.get_rank() == 0 else 0)
+    fsdp2.set_collective_checks(True)
+    try:
+        model, _ = _sharded_twins()
+        for step in range(2):
+            x, y = MODELS["mlp"].make_batch(torch.Generator().manual_seed(step), 4)
+            model(x, y).backward()
+    except fsdp2.CollectiveMismatchError as error:
+        return str(error)
+    finally:
+        set_coalesce_bytes(0)
+        fsdp2.set_collective_checks(False)
+    raise AssertionError("expected a CollectiveMismatchError")
+
+
+def test_collective_checks_name_the_coalesced_groups() -> None:
+    """FSDP2_CHECK_COLLECTIVES compares the coalesced gather as one collective named after its
+    groups: ranks that bucket differently raise on every rank instead of exchanging wrong
+    sizes."""
+    for message in run_on_ranks(2, _ranks_disagree):
+        # (the collective's number counts this rank process's collectives so far: not pinned)
+        assert "for `blocks.11+blocks.10+blocks.9` (408 elements" in message, message
+        assert "for `blocks.11` (136 elements" in message, message
