@@ -65,3 +65,14 @@ __all__ = [
 
 for _name in __all__:
     globals()[_name].__module__ = "fsdp2"
+
+
+def __getattr__(name: str) -> object:
+    # The two module paths the README documented before the layout of issue 23
+    # (fsdp2.collectives.record_collectives, fsdp2.traced.set_traced): imported on first use,
+    # with a DeprecationWarning, so that code written against them keeps running.
+    if name in ("collectives", "traced"):
+        import importlib
+
+        return importlib.import_module(f"fsdp2.{name}")
+    raise AttributeError(f"module 'fsdp2' has no attribute {name!r}")

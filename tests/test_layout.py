@@ -14,7 +14,17 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "fsdp2"
 
 # The first dotted part under fsdp2 -> its layer.
-LAYERS = {"debug": 0, "engine": 1, "api": 2, "tools": 3, "optim": 3, "plan": 4, "": 4}
+LAYERS = {
+    "debug": 0,
+    "engine": 1,
+    "api": 2,
+    "tools": 3,
+    "optim": 3,
+    "plan": 4,
+    "collectives": 4,
+    "traced": 4,
+    "": 4,
+}
 
 
 def module_name(path: Path) -> str:

@@ -54,3 +54,30 @@ def test_public_name_documents_its_arguments(package: object, name: str) -> None
     section = doc[doc.index("Args:") :]
     missing = [p for p in params if f"{p}:" not in section]
     assert not missing, f"{name}'s Args: section misses {missing}"
+
+
+def test_paths_documented_before_the_layout_still_work_with_a_warning() -> None:
+    import subprocess
+    import sys
+
+    # A fresh interpreter: the deprecated modules warn once, at their first import.
+    code = (
+        "import warnings, fsdp2\n"
+        "warnings.simplefilter('error')\n"
+        "for path in ('fsdp2.collectives.record_collectives', 'fsdp2.traced.set_traced'):\n"
+        "    try:\n"
+        "        eval(path)\n"
+        "    except DeprecationWarning as w:\n"
+        "        print(w)\n"
+        "warnings.simplefilter('ignore')\n"
+        "assert fsdp2.collectives.record_collectives is fsdp2.record_collectives\n"
+        "from fsdp2.traced import set_traced\n"
+        "assert set_traced is fsdp2.set_traced\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True
+    ).stdout
+    assert out.splitlines() == [
+        "fsdp2.collectives is deprecated: use fsdp2.record_collectives and fsdp2.CollectiveRecord",
+        "fsdp2.traced is deprecated: use fsdp2.set_traced",
+    ]
