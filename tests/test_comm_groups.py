@@ -79,9 +79,12 @@ def _allocate_from_group(enable: bool) -> list[float]:
     for module in fsdp_modules(t.model):
         module.set_allocate_memory_from_process_group_for_comm(enable)
         groups = module._get_fsdp_state().groups
-        assert all(isinstance(g.settings.custom_all_gather, GroupAllocAllGather) == enable for g in groups)
         assert all(
-            isinstance(g.settings.custom_reduce_scatter, GroupAllocReduceScatter) == enable for g in groups
+            isinstance(g.settings.custom_all_gather, GroupAllocAllGather) == enable for g in groups
+        )
+        assert all(
+            isinstance(g.settings.custom_reduce_scatter, GroupAllocReduceScatter) == enable
+            for g in groups
         )
     losses, _ = _train(t)
     return losses
