@@ -1,9 +1,11 @@
-"""Coalesced all-gathers of small groups ([Note: coalesced gathers], engine/coalesce.py).
+"""Coalesced all-gathers and reduce-scatters of small groups ([Note: coalesced gathers],
+engine/coalesce.py; [Note: coalesced reduce-scatters], engine/coalesce_reduce.py).
 
 A stack of tiny blocks, each its own group, trains with coalescing on: the same numbers as one
 process (tolerance) and bitwise the same as coalescing off (an all-gather moves bytes: each
-group receives exactly what its own gather would have brought), fewer all-gathers, each within
-the budget, and the unsharded memory bounded by it.
+group receives exactly what its own gather would have brought; at 2 ranks a reduce-scatter adds
+two values per element, in whichever order), fewer collectives, each within the budget, and the
+unsharded memory (and the held reduce-scatter inputs) bounded by it.
 
 fsdp2-only: coalescing and the internals the memory bound reads are fsdp2's.
 """
@@ -19,9 +21,10 @@ import torch.nn as nn
 
 from tests.harness import run_on_ranks
 from tests.models import MLPStack
-from tests.parity import twins
+from tests.parity import adamw, cast_forward, twins
 from tests.parity.compare import full
-from tests.parity.lockstep import labels, same_on_all_ranks, train_side_by_side
+from tests.parity.lockstep import same_on_all_ranks, train_side_by_side
+from tests.tolerance import FP32, SAME_ARITHMETIC
 
 pytestmark = pytest.mark.usefixtures("fsdp2_only")
 
@@ -38,61 +41,113 @@ def _build() -> nn.Module:
     return model
 
 
-def _sharded_twins() -> tuple[nn.Module, nn.Module]:
-    from fsdp2 import fully_shard
+def _sharded_twins(bf16: bool = False) -> tuple[nn.Module, nn.Module]:
+    from fsdp2 import MixedPrecisionPolicy, fully_shard
 
     model, ref = twins(_build)
+    mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
     return model, ref
 
 
-def _train(budget: int, num_micro: int) -> dict[str, Any]:
-    """Train with coalescing at ``budget``; the losses, the final full parameters, and the
-    all-gathers of each step."""
+def _recording_grads(model: nn.Module) -> tuple[torch.optim.Optimizer, list[dict[str, Any]]]:
+    """The suite's AdamW for ``model``, keeping every step's full gradients (None: none)."""
+    optim = adamw(model.parameters())
+    grads: list[dict[str, Any]] = []
+    step = optim.step
+
+    def recording_step(*args: Any, **kwargs: Any) -> Any:
+        grads.append({n: p.grad if p.grad is None else full(p.grad) for n, p in named})
+        return step(*args, **kwargs)
+
+    named = list(model.named_parameters())
+    optim.step = recording_step  # type: ignore[method-assign]
+    return optim, grads
+
+
+def _train(budget: int, num_micro: int, bf16: bool = False) -> dict[str, Any]:
+    """Train with coalescing at ``budget``; the losses, each step's gradients, the final full
+    parameters, and the all-gathers and reduce-scatters of each step."""
     from fsdp2.engine.coalesce import set_coalesce_bytes
     from tests.models import MODELS
 
     set_coalesce_bytes(budget)
     try:
-        model, ref = _sharded_twins()
+        model, ref = _sharded_twins(bf16)
+        optim, grads = _recording_grads(model)
 
         def no_sync_but_last(step: int, micro: int) -> None:
             model.set_requires_gradient_sync(micro == num_micro - 1)  # type: ignore[operator]
 
+        world = dist.get_world_size()
         out = train_side_by_side(
             model,
             ref,
             MODELS["mlp"].make_batch,
             dp_rank=dist.get_rank(),
-            dp_size=dist.get_world_size(),
+            dp_size=world,
             num_steps=3,
             num_micro=num_micro,
             before_micro=no_sync_but_last,
+            optim=optim,
+            # bf16: the reference computes each rank's rows on its own bf16 casts (the same
+            # arithmetic as sharded training, tests/test_mixed_precision.py)
+            tol=SAME_ARITHMETIC if bf16 else FP32,
+            ref_forward=cast_forward(torch.bfloat16, world) if bf16 else None,
         )
     finally:
         set_coalesce_bytes(0)
+
+    def of(kind: str, nbytes: str) -> tuple[list[list[str]], list[list[int]]]:
+        chosen = [[r for r in records if r.kind == kind] for records in out.records]
+        return (
+            [[r.label for r in step] for step in chosen],
+            [[getattr(r, nbytes) for r in step] for step in chosen],
+        )
+
+    gathers, gather_bytes = of("all_gather", "output_nbytes")
+    reduces, reduce_bytes = of("reduce_scatter", "input_nbytes")
     return {
         "losses": out.losses,
+        "grads": grads,
         "params": {n: full(p) for n, p in model.named_parameters()},
-        "gathers": [labels(records, "all_gather") for records in out.records],
-        "gather_bytes": [
-            [r.output_nbytes for r in records if r.kind == "all_gather"] for records in out.records
-        ],
+        "gathers": gathers,
+        "gather_bytes": gather_bytes,
+        "reduces": reduces,
+        "reduce_bytes": reduce_bytes,
     }
 
 
-def _parity(num_micro: int) -> dict[str, Any]:
-    on = _train(BUDGET, num_micro)
-    off = _train(0, num_micro)
+def _same(on: dict[str, Any], off: dict[str, Any]) -> None:
+    """Coalescing on and off trained bitwise alike: losses, every step's gradients, parameters."""
     if on["losses"] != off["losses"]:
         raise AssertionError(f"losses differ: coalesced {on['losses']}, alone {off['losses']}")
+    for step, (grads, off_grads) in enumerate(zip(on["grads"], off["grads"], strict=True)):
+        for name, g in grads.items():
+            other = off_grads[name]
+            if (g is None) != (other is None) or (g is not None and not torch.equal(g, other)):
+                raise AssertionError(f"step {step} {name}: coalesced gradient differs from off")
     for name, p in on["params"].items():
         if not torch.equal(p, off["params"][name]):
             raise AssertionError(f"{name}: coalesced training differs from coalescing off")
-    same_on_all_ranks(on["gathers"])
-    return {"on": on["gathers"], "off": off["gathers"], "bytes": on["gather_bytes"]}
+
+
+def _parity(num_micro: int, bf16: bool = False) -> dict[str, Any]:
+    on = _train(BUDGET, num_micro, bf16)
+    off = _train(0, num_micro, bf16)
+    _same(on, off)
+    same_on_all_ranks([on["gathers"], on["reduces"]])
+    return {
+        "on": on["gathers"],
+        "off": off["gathers"],
+        "bytes": on["gather_bytes"],
+        "reduces_on": on["reduces"],
+        "reduces_off": off["reduces"],
+        "reduce_bytes": on["reduce_bytes"],
+        "reduce_bytes_off": off["reduce_bytes"],
+    }
 
 
 def _expected_buckets(groups: list[str], sizes: dict[str, int], budget: int) -> list[str]:
@@ -126,6 +181,43 @@ def test_parity_and_counts(num_micro: int) -> None:
     for step in (1, 2):
         assert result["on"][step] == (forward + backward) * num_micro, step
     assert max(max(b) for b in result["bytes"]) <= BUDGET
+    _check_reduces(result, num_micro)
+
+
+# At 2 ranks a 16x16 block's reduce-scatter input is 2 x (136 + 2 flags) floats, 1,104 bytes: two
+# fit in BUDGET, a third does not. The frozen block reduces nothing and does not end a bucket.
+REDUCE_BUCKETS = [
+    "blocks.11+blocks.10",
+    "blocks.9+blocks.8",
+    "blocks.7+blocks.6",
+    "blocks.4+blocks.3",
+    # blocks.0 (8x16) and the root's head are smaller; the root reduces at the end of backward,
+    # joining the bucket still held there.
+    "blocks.2+blocks.1+blocks.0+",
+]
+
+
+def _check_reduces(result: dict[str, Any], num_micro: int) -> None:
+    """One reduce-scatter per bucket from the first step on (it needs no recorded order), only
+    in the micro-step with sync; each within the budget."""
+    off = result["reduces_off"]
+    trained = [f"blocks.{i}" for i in reversed(range(NUM_BLOCKS)) if i != FROZEN]
+    assert all(step == [*trained, ""] for step in off), off
+    sizes = dict(zip(off[0], result["reduce_bytes_off"][0], strict=True))
+    assert sizes["blocks.3"] == 1104
+    assert _expected_buckets([*trained, ""], sizes, BUDGET) == REDUCE_BUCKETS
+    assert result["reduces_on"] == [REDUCE_BUCKETS] * 3
+    assert max(max(b) for b in result["reduce_bytes"]) <= BUDGET
+
+
+def _mixed_precision_parity() -> dict[str, Any]:
+    return _parity(2, bf16=True)
+
+
+def test_mixed_precision_parity_and_counts() -> None:
+    """bf16 parameters, fp32 reduction, with gradient accumulation: bitwise as coalescing off
+    and as the sliced bf16 reference; the fp32 reduce-scatters coalesce as in fp32 training."""
+    _check_reduces(run_on_ranks(2, _mixed_precision_parity)[0], 2)
 
 
 def _memory_bound(budget: int) -> int:
@@ -207,3 +299,121 @@ def test_collective_checks_name_the_coalesced_groups() -> None:
         # (the collective's number counts this rank process's collectives so far: not pinned)
         assert "for `blocks.11+blocks.10+blocks.9` (408 elements" in message, message
         assert "for `blocks.11` (136 elements" in message, message
+
+
+def _held_reduce_bytes(budget: int) -> dict[str, int]:
+    """Train three steps; the most bytes of reduce-scatter inputs held at once (measured on
+    their storages), and the most members one bucket had."""
+    from fsdp2.engine import coalesce_reduce
+    from fsdp2.engine.coalesce import set_coalesce_bytes
+    from tests.models import MODELS
+
+    held = coalesce_reduce.HeldReduces
+    real_reduce, real_flush = held.reduce, held.flush
+    peak = {"bytes": 0, "members": 0}
+
+    def measure(self: Any) -> None:
+        nbytes = sum(b.inp.untyped_storage().nbytes() for _, b in self.members)
+        peak["bytes"] = max(peak["bytes"], nbytes)
+        peak["members"] = max(peak["members"], len(self.members))
+
+    def reduce(self: Any, *args: Any, **kwargs: Any) -> None:
+        real_reduce(self, *args, **kwargs)
+        measure(self)
+
+    def flush(self: Any, *args: Any, **kwargs: Any) -> None:
+        measure(self)
+        real_flush(self, *args, **kwargs)
+
+    held.reduce, held.flush = reduce, flush  # type: ignore[method-assign]
+    set_coalesce_bytes(budget)
+    try:
+        model, _ = _sharded_twins()
+        for step in range(3):
+            x, y = MODELS["mlp"].make_batch(torch.Generator().manual_seed(step), 4)
+            model(x, y).backward()
+    finally:
+        set_coalesce_bytes(0)
+        held.reduce, held.flush = real_reduce, real_flush  # type: ignore[method-assign]
+    return peak
+
+
+def test_held_reduce_inputs_bounded_by_budget() -> None:
+    """The reduce-scatter inputs waiting for their bucket's collective never exceed the budget."""
+    for peak in run_on_ranks(2, _held_reduce_bytes, BUDGET):
+        assert peak["members"] == 4, peak  # the last bucket: blocks.2, 1, 0 and the root
+        assert 0 < peak["bytes"] <= BUDGET, peak
+
+
+class _Gate(nn.Module):
+    """A block that runs only where ``on``: elsewhere its output is its input (still a node of
+    the graph, so its group's backward hooks run, with no gradient for its parameters)."""
+
+    def __init__(self, inner: nn.Module, on: bool) -> None:
+        super().__init__()
+        self.inner = inner
+        self.on = on
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) if self.on else x * 1.0
+
+
+def _gradients_some_ranks_only(budget: int) -> dict[str, Any]:
+    """blocks.3 runs on rank 0 only, blocks.4 on no rank. Coalescing at ``budget`` (or, at 0,
+    every rank reducing zeros for what it lacks: set_reduce_scatter_unused_params), with the
+    collective checks on; a backward for the input only first. Each step's gradients."""
+    import fsdp2
+    from fsdp2 import fully_shard
+    from fsdp2.engine.coalesce import set_coalesce_bytes
+    from tests.models import MODELS
+
+    set_coalesce_bytes(budget)
+    fsdp2.set_collective_checks(True)
+    try:
+        model, _ = twins(_build)
+        model.blocks[3] = _Gate(model.blocks[3], on=dist.get_rank() == 0)
+        model.blocks[4] = _Gate(model.blocks[4], on=False)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        model.set_reduce_scatter_unused_params(not budget)  # type: ignore[operator]
+        optim, grads = _recording_grads(model)
+        make_batch = MODELS["mlp"].make_batch
+        x, y = make_batch(torch.Generator().manual_seed(100), 4)
+        x.requires_grad_(True)
+        torch.autograd.grad(model(x, y), x)  # for the input only: no parameter gets a gradient
+        untouched = all(p.grad is None for p in model.parameters())
+        for step in range(2):
+            model(*make_batch(torch.Generator().manual_seed(step), 4)).backward()
+            optim.step()
+            optim.zero_grad()
+    finally:
+        set_coalesce_bytes(0)
+        fsdp2.set_collective_checks(False)
+    return {"grads": grads, "untouched": untouched}
+
+
+def _some_ranks_only() -> bool:
+    on = _gradients_some_ranks_only(BUDGET)
+    off = _gradients_some_ranks_only(0)
+    unused = [n for n in on["grads"][0] if n.startswith("blocks.4.")]
+    for step, (grads, off_grads) in enumerate(zip(on["grads"], off["grads"], strict=True)):
+        for name, g in grads.items():
+            if name in unused:
+                zeros = off_grads[name] is not None and not off_grads[name].any()
+                if g is not None or not zeros:
+                    raise AssertionError(f"step {step} {name}: expected None (and zeros off)")
+            elif (g is None) != (off_grads[name] is None) or (
+                g is not None and not torch.equal(g, off_grads[name])
+            ):
+                raise AssertionError(f"step {step} {name}: coalesced gradient differs")
+    return bool(on["untouched"])  # (off: set_reduce_scatter_unused_params gives zeros there)
+
+
+def test_gradients_on_some_ranks_only() -> None:
+    """A group whose parameters got no gradient on one rank still joins its bucket there, as
+    zeros flagged unused: every rank forms the same buckets (the collective checks would raise
+    otherwise), the gradients are those of every rank reducing zeros for what it lacks, and a
+    parameter no rank used stays None. A backward for an input only gives no gradient."""
+    for untouched in run_on_ranks(2, _some_ranks_only):
+        assert untouched

@@ -23,6 +23,9 @@ are, so every rank forms the same buckets. The collective's label names its grou
 A group gathered ahead and never used costs memory, not correctness: the root's post-forward
 and the end of backward free it, as they free an unused prefetch. The shared output is freed
 when the last of its groups has copied out (or was resharded without copying out).
+
+The same budget and switch coalesce the reduce-scatters of backward: [Note: coalesced
+reduce-scatters] in coalesce_reduce.py.
 """
 
 from __future__ import annotations
@@ -61,7 +64,8 @@ _budget = _from_env()
 
 def set_coalesce_bytes(budget: int) -> None:
     """Coalesce small groups' all-gathers up to ``budget`` bytes of unsharded parameters per
-    collective (0: off). Every rank must set the same value, before the forward it applies to."""
+    collective, and their reduce-scatters up to ``budget`` bytes of input (0: off). Every rank
+    must set the same value, before the forward (and backward) it applies to."""
     global _budget
     _budget = max(0, int(budget))
 

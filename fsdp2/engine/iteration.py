@@ -15,9 +15,10 @@ from typing import Generic, Protocol, TypeVar
 import torch
 from torch.autograd import Variable
 
+from fsdp2.engine.coalesce_reduce import HeldReduces, PendingBucket
 from fsdp2.engine.grads import Reduced, hand_over
 from fsdp2.engine.param_group import FSDPParamGroup
-from fsdp2.engine.reduce import PendingReduce
+from fsdp2.engine.reduce import GradientReducer, PendingReduce
 
 __all__ = ["IterContext", "trace"]
 
@@ -58,7 +59,9 @@ class IterContext(Generic[_Member]):
         self.forward_order: list[FSDPParamGroup] = []  # last completed forward's group order
         self.recording: list[FSDPParamGroup] = []
         self.iteration = 0
-        self.in_flight: deque[PendingReduce] = deque()  # reduce-scatters not waited for yet
+        # Reduce-scatters not waited for yet, and the inputs of those held to be coalesced.
+        self.in_flight: deque[PendingReduce | PendingBucket] = deque()
+        self.held = HeldReduces()  # see [Note: coalesced reduce-scatters]
         # Reduced shards are handed to the parameters only when backward ends, so a backward
         # that raises leaves no partial gradients behind (see reset()).
         self.reduced: list[Reduced] = []
@@ -102,7 +105,11 @@ class IterContext(Generic[_Member]):
             self.callback_queued = True
             Variable._execution_engine.queue_callback(self.end_of_backward)
 
-    def add_reduce(self, reduce: PendingReduce | None, max_in_flight: int) -> None:
+    def reduce(self, reducer: GradientReducer, max_in_flight: int) -> None:
+        """Reduce ``reducer``'s gradients now, or hold them to be coalesced with the next."""
+        self.held.reduce(reducer, self, max_in_flight)
+
+    def add_reduce(self, reduce: PendingReduce | PendingBucket | None, max_in_flight: int) -> None:
         """Put ``reduce`` in flight, first finishing older ones beyond ``max_in_flight - 1``."""
         if reduce is None:
             return
@@ -133,7 +140,8 @@ class IterContext(Generic[_Member]):
             elif group.reducer.reduces_at_end():
                 if group.settings.reshard_after_backward and not keep_gathered:
                     group.reshard()  # first, as in _finish_if_done: free before the collective
-                self.add_reduce(group.reducer.reduce_grads(), max_in_flight=1_000_000)
+                self.reduce(group.reducer, max_in_flight=1_000_000)
+        self.held.flush(self, max_in_flight=1_000_000)  # before anything waits for a reduction
         if self.is_last_backward:
             while self.in_flight:
                 self.reduced.extend(self.in_flight.popleft().finish())
@@ -146,6 +154,7 @@ class IterContext(Generic[_Member]):
 
     def reset(self) -> None:
         """Forget a failed iteration: its collectives, its gradients, its unsharded parameters."""
+        self.held.drop()
         while self.in_flight:
             self.in_flight.popleft().finish()
         self.reduced = []

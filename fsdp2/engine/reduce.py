@@ -40,7 +40,7 @@ missed is the one case this leaves rank-dependent (the hang report names it).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import cast
+from typing import NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -52,7 +52,7 @@ from fsdp2.engine.mesh import MeshInfo
 from fsdp2.engine.param import FSDPParam
 from fsdp2.engine.settings import GroupSettings
 
-__all__ = ["GradientReducer", "PendingReduce"]
+__all__ = ["GradientReducer", "PendingReduce", "ReduceInput", "reduce_op"]
 
 
 class PendingReduce:
@@ -111,6 +111,20 @@ class PendingReduce:
             cast(torch.Tensor, self.keep_alive).untyped_storage().resize_(0)
         self.keep_alive = None
         return self.reducer.finish_reduce(self.out, self.params, self.use_sum, self.used)
+
+
+class ReduceInput(NamedTuple):
+    """A group's reduce-scatter input, built (its gradients copied in and freed), not issued yet:
+    ``inp`` is rank-major, ``(shard ranks, numel)``, one row per rank's chunk."""
+
+    inp: torch.Tensor
+    params: list[FSDPParam]
+    use_sum: bool  # as PendingReduce's
+    used: list[bool] | None
+
+
+def reduce_op(use_sum: bool) -> dist.ReduceOp.RedOpType:
+    return dist.ReduceOp.SUM if use_sum else dist.ReduceOp.AVG
 
 
 class GradientReducer:
@@ -216,6 +230,15 @@ class GradientReducer:
 
     def reduce_grads(self) -> PendingReduce | None:
         """Take the unsharded gradients and start their reduce-scatter; ``None`` if there are none."""
+        built = self.build_input()
+        return self.issue(built) if isinstance(built, ReduceInput) else built
+
+    def build_input(self, always: bool = False) -> ReduceInput | PendingReduce | None:
+        """Take the unsharded gradients into the reduce-scatter's rank-major input, freeing
+        them; the collective is not issued (``issue``, or a coalesced bucket, does that). With
+        one rank no collective is needed: the finished ``PendingReduce``. ``None``: nothing to
+        reduce; ``always`` builds zeros (and flags) instead where this rank had no gradient at
+        all (see [Note: coalesced reduce-scatters] in coalesce_reduce.py)."""
         self._task = -1
         self.reduced_in_backward = True
         replicated = self.info.replicate_group is not None
@@ -226,7 +249,7 @@ class GradientReducer:
             deferring = replicated and (
                 not self.settings.requires_all_reduce or self.deferred_replica_sum is not None
             )
-            if not (self.settings.reduce_scatter_unused or deferring or any(has)):
+            if not (self.settings.reduce_scatter_unused or deferring or always or any(has)):
                 # No gradient at all on this rank: a backward for inputs only (autograd.grad,
                 # pipelining's shape inference), which every rank runs alike. torch reduces
                 # nothing there either.
@@ -258,22 +281,31 @@ class GradientReducer:
         size, dtype, device = (self.shard_size, numel), self.layout.reduce_dtype, self.layout.device
         if comm is not None:
             inp = comm.allocate(size, dtype=dtype, device=device)
-            out = comm.allocate((numel,), dtype=dtype, device=device)
         else:
             inp = torch.empty(size, dtype=dtype, device=device)
-            out = inp.new_empty(numel)
         torch._chunk_cat(grads, dim=0, num_chunks=self.shard_size, out=inp)  # casts to reduce_dtype
         grads.clear()  # copied: free them before the collective allocates its own buffers
-        op = dist.ReduceOp.SUM if use_sum else dist.ReduceOp.AVG
+        return ReduceInput(inp, params, use_sum, used)
+
+    def reduce_group(self) -> dist.ProcessGroup:
+        """The process group this group's reduce-scatter runs on."""
         group = self.settings.reduce_scatter_group or self.info.shard_group
         if group is None:
             raise AssertionError(
                 f"reduce_grads '{self.label}': expected a shard group to reduce over, found None"
             )
+        return group
+
+    def issue(self, built: ReduceInput) -> PendingReduce:
+        """Start the reduce-scatter of ``built`` (this group's alone)."""
+        comm, (inp, params, use_sum, used) = self.settings.custom_reduce_scatter, built
+        if comm is not None:
+            out = comm.allocate((inp.shape[1],), dtype=inp.dtype, device=inp.device)
+        else:
+            out = inp.new_empty(inp.shape[1])
+        group, op = self.reduce_group(), reduce_op(use_sum)
         pending = self.reduce_scatter(out, inp.view(-1), group, self.label, op, comm)
-        return PendingReduce(
-            self, pending, out, params, inp, use_sum, free_input=comm is None, used=used
-        )
+        return PendingReduce(self, pending, out, params, inp, use_sum, comm is None, used)
 
     @staticmethod
     def _has_grad(fsdp_param: FSDPParam) -> bool:
@@ -334,8 +366,7 @@ class GradientReducer:
             if not self.settings.requires_all_reduce:
                 self.deferred_replica_sum = out
                 return []
-            op = dist.ReduceOp.SUM if use_sum else dist.ReduceOp.AVG
-            all_reduce(out, info.replicate_group, self.label, op).wait()
+            all_reduce(out, info.replicate_group, self.label, reduce_op(use_sum)).wait()
         if use_sum:
             factor = self.settings.divide_factor or float(info.shard_size * info.replicate_size)
             if factor != 1.0:

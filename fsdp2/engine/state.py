@@ -361,7 +361,7 @@ class FSDPState:
         if group.settings.reshard_after_backward and not torch.is_grad_enabled():
             group.reshard()  # first: the reduction needs only the gradients, not the parameters
         if group.settings.requires_gradient_sync:
-            ctx.add_reduce(group.reducer.reduce_grads(), group.settings.max_in_flight)
+            ctx.reduce(group.reducer, group.settings.max_in_flight)
         else:
             group.reducer.stash_grads()
         self.enter(TrainingState.POST_BACKWARD)

@@ -111,9 +111,7 @@ class _GroupView(_Unsupported):
         if not group.settings.requires_gradient_sync:
             group.reducer.stash_grads()
         elif group.reducer.reduces_at_end():
-            _context(self._fsdp_state).add_reduce(
-                group.reducer.reduce_grads(), group.settings.max_in_flight
-            )
+            _context(self._fsdp_state).reduce(group.reducer, group.settings.max_in_flight)
 
 
 def _context(state: FSDPState) -> IterContext[FSDPState]:
