@@ -2,8 +2,9 @@
 
 The root's lazy init (``FSDPState._lazy_init``) gathers every state below it into one context:
 the order groups ran in (see [Note: prefetch order] in prefetch.py), the reduce-scatters in
-flight and the reduced shards waiting for the end of backward, and the end-of-backward callback,
-which finishes what the per-module hooks left and ends every state's iteration.
+flight (and those held to be coalesced: [Note: coalesced reduce-scatters]), the reduced shards
+waiting for the end of backward, and the end-of-backward callback, which finishes what the
+per-module hooks left and ends every state's iteration.
 """
 
 from __future__ import annotations
