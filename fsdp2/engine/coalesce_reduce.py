@@ -10,7 +10,10 @@ AVG), and the bucket's input (shard ranks x numel x reduce dtype) stays within t
 next one (or, if not joinable, is issued alone). The bucket is issued too at the end of backward
 (and pipelining's final callback), before anything waits for a reduction. Joinable: more than
 one shard rank, no replicas (HSDP), no custom reduce-scatter, no all-reduce hook, gradient sync
-on, no CPU offload, and some trainable parameter.
+on, no CPU offload, and some trainable parameter (a group without one reduces nothing anywhere
+and leaves the bucket as it is). Unlike gathers, this needs no recorded order (the first
+backward coalesces too) and explicit prefetch targets do not turn it off: they order gathers,
+not reductions.
 
 Issuing: the members' inputs, concatenated along their columns, ``(ranks, n_1 + ... + n_k)``,
 are one reduce-scatter, labelled with the members' labels joined by "+". Row r of the
@@ -153,7 +156,9 @@ def _use_sum(reducer: GradientReducer) -> bool:
 
 
 def _issue(members: list[tuple[GradientReducer, ReduceInput]]) -> PendingBucket:
-    """One reduce-scatter of the members' inputs side by side; each gets its column slice."""
+    """One reduce-scatter of the members' inputs side by side; each gets its column slice.
+    Through the seam itself, not a member's ``GradientReducer.reduce_scatter``: it is no one
+    group's collective."""
     inp = torch.cat([built.inp for _, built in members], dim=1)
     for _, built in members:
         built.inp.untyped_storage().resize_(0)  # copied: free before the collective
