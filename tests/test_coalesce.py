@@ -95,12 +95,12 @@ def _parity(num_micro: int) -> dict[str, Any]:
     return {"on": on["gathers"], "off": off["gathers"], "bytes": on["gather_bytes"]}
 
 
-def _expected_buckets(groups: list[str], sizes: dict[str, int], budget: int) -> list[str]:
-    """Consecutive groups, each bucket's bytes within the budget (greedy, in order)."""
+def _expected_buckets(groups: list[str], sizes: dict[str, int], capacity: int) -> list[str]:
+    """Consecutive groups, each bucket's bytes per rank within the capacity (greedy, in order)."""
     buckets: list[list[str]] = []
-    total = budget + 1
+    total = capacity + 1
     for g in groups:
-        if total + sizes[g] > budget:
+        if total + sizes[g] > capacity:
             buckets.append([])
             total = 0
         buckets[-1].append(g)
@@ -117,15 +117,19 @@ def test_parity_and_counts(num_micro: int) -> None:
     # Coalescing off: one gather per group in forward, one per block in each backward.
     assert len(result["off"][1]) == num_micro * (1 + 2 * NUM_BLOCKS)
     # The first forward has no recorded order: nothing coalesces until it ends.
-    sizes = {"": 272, "blocks.0": 576, **dict.fromkeys(blocks[1:], 1088)}
-    forward = _expected_buckets(["", *blocks], sizes, BUDGET)
-    backward = _expected_buckets(blocks[::-1], sizes, BUDGET)  # the root stays gathered
+    # Per rank, each group's shard aligned to 16 bytes: the head's 136 bytes take 144.
+    sizes = {"": 144, "blocks.0": 288, **dict.fromkeys(blocks[1:], 544)}
+    # Each rank sends BUDGET / 2 (to 16 bytes: 1,648), less a 16-byte header naming the groups.
+    capacity = 1648 - 16
+    forward = _expected_buckets(["", *blocks], sizes, capacity)
+    backward = _expected_buckets(blocks[::-1], sizes, capacity)  # the root stays gathered
     assert forward == ["+blocks.0+blocks.1+blocks.2"] + [
         "+".join(blocks[i : i + 3]) for i in (3, 6, 9)
     ]
     for step in (1, 2):
         assert result["on"][step] == (forward + backward) * num_micro, step
-    assert max(max(b) for b in result["bytes"]) <= BUDGET
+    # Every coalesced gather has the same size, the budget's (a mismatch cannot abort gloo).
+    assert {b for step in (1, 2) for b in result["bytes"][step]} == {2 * 1648}
 
 
 def _memory_bound(budget: int) -> int:
@@ -205,5 +209,51 @@ def test_collective_checks_name_the_coalesced_groups() -> None:
     sizes."""
     for message in run_on_ranks(2, _ranks_disagree):
         # (the collective's number counts this rank process's collectives so far: not pinned)
-        assert "for `blocks.11+blocks.10+blocks.9` (408 elements" in message, message
+        assert "for `blocks.11+blocks.10+blocks.9` (412 elements" in message, message
         assert "for `blocks.11` (136 elements" in message, message
+
+
+def _diverge(skip_on_rank1: int, step_to_skip: int) -> str:
+    """Coalescing on, checks off; in one step rank 1 skips a block (a user's rank-dependent
+    control flow). Returns the error this rank raised."""
+    from fsdp2.engine.coalesce import set_coalesce_bytes
+    from tests.models import MODELS
+
+    set_coalesce_bytes(BUDGET)
+    try:
+        model, _ = _sharded_twins()
+        every = list(model.blocks)  # type: ignore[arg-type]
+        for step in range(3):
+            if step == step_to_skip and dist.get_rank() == 1:
+                model.blocks = nn.ModuleList(b for i, b in enumerate(every) if i != skip_on_rank1)
+            x, y = MODELS["mlp"].make_batch(torch.Generator().manual_seed(step), 4)
+            model(x, y).backward()
+    except RuntimeError as error:
+        return f"{type(error).__name__}: {error}"
+    finally:
+        set_coalesce_bytes(0)
+    return "no error"
+
+
+@pytest.mark.parametrize("skip", [4, 3], ids=["inside_a_bucket", "starts_a_bucket"])
+def test_diverging_ranks_named_on_every_rank(skip: int) -> None:
+    """A block skipped on one rank: the ranks' coalesced gathers serve different groups. Each
+    has the same size (gloo would abort a process on a size mismatch, with no report), and a
+    header naming its groups, so that every rank raises an error naming both sides (each
+    rank's groups in the model's order)."""
+    messages = run_on_ranks(2, _diverge, skip, 1)
+    for message in messages:
+        assert message.startswith(
+            "CollectiveMismatchError: fsdp2: the ranks gathered different groups in one "
+            "coalesced all-gather:"
+        ), message
+        assert "Every rank must run every sharded module" in message, message
+    assert messages[0] == messages[1]
+    expected = {
+        # Forward: the bucket started at blocks.3 on both ranks; rank 1 ran it without blocks.4,
+        # so backward's bucket from blocks.5 reaches blocks.3 on rank 1 only.
+        4: "  rank 0: `blocks.3+blocks.4+blocks.5`\n  rank 1: `blocks.2+blocks.3+blocks.5`\n",
+        # Forward: rank 1 skips blocks.3, which starts a bucket on rank 0 (it needs it now).
+        3: "  rank 0: `blocks.3+blocks.4+blocks.5`\n  rank 1: `blocks.4+blocks.5+blocks.6`\n",
+    }[skip]
+    assert expected in messages[0], messages[0]
