@@ -105,7 +105,7 @@ def _expected_buckets(groups: list[str], sizes: dict[str, int], capacity: int) -
             total = 0
         buckets[-1].append(g)
         total += sizes[g]
-    return ["+".join(b) for b in buckets]
+    return ["+".join(g or "<root>" for g in b) if len(b) > 1 else b[0] for b in buckets]
 
 
 @pytest.mark.parametrize("num_micro", [1, 2], ids=["sync", "no_sync"])
@@ -123,7 +123,7 @@ def test_parity_and_counts(num_micro: int) -> None:
     capacity = 1648 - 16
     forward = _expected_buckets(["", *blocks], sizes, capacity)
     backward = _expected_buckets(blocks[::-1], sizes, capacity)  # the root stays gathered
-    assert forward == ["+blocks.0+blocks.1+blocks.2"] + [
+    assert forward == ["<root>+blocks.0+blocks.1+blocks.2"] + [
         "+".join(blocks[i : i + 3]) for i in (3, 6, 9)
     ]
     for step in (1, 2):
@@ -183,7 +183,8 @@ def test_memory_bounded_by_budget() -> None:
 
 def _ranks_disagree() -> str:
     """Coalescing on rank 0 only, with the collective checks on: the first coalesced gather
-    (the first backward's) meets a single group's on rank 1. Returns the error this rank raised."""
+    (the root's, alone: the first forward has no order) meets the root's own on rank 1. Returns
+    the error this rank raised."""
     import fsdp2
     from fsdp2.engine.coalesce import set_coalesce_bytes
     from tests.models import MODELS
@@ -209,8 +210,10 @@ def test_collective_checks_name_the_coalesced_groups() -> None:
     sizes."""
     for message in run_on_ranks(2, _ranks_disagree):
         # (the collective's number counts this rank process's collectives so far: not pinned)
-        assert "for `blocks.11+blocks.10+blocks.9` (412 elements" in message, message
-        assert "for `blocks.11` (136 elements" in message, message
+        # The first gather: the root's, coalesced alone at the fixed size on rank 0.
+        assert "rank 0: all-gather #" in message, message
+        assert "for `<root>` (412 elements, float32)" in message, message
+        assert "for `<root>` (34 elements, float32)" in message, message
 
 
 def _diverge(skip_on_rank1: int, step_to_skip: int) -> str:
@@ -257,3 +260,39 @@ def test_diverging_ranks_named_on_every_rank(skip: int) -> None:
         3: "  rank 0: `blocks.3+blocks.4+blocks.5`\n  rank 1: `blocks.4+blocks.5+blocks.6`\n",
     }[skip]
     assert expected in messages[0], messages[0]
+
+
+def test_long_labels_are_elided() -> None:
+    """A coalesced gather of many groups names its first two and last, and how many; a
+    fully_shard([...]) group of many modules, its first and last: labels appear in every
+    report, and a joined list of 256 names is no name."""
+    from fsdp2.engine.coalesce import bucket_label
+    from fsdp2.engine.state import module_label
+
+    blocks = [f"blocks.{i}" for i in range(12)]
+    assert bucket_label(blocks[:6]) == "+".join(blocks[:6])
+    assert bucket_label(["", *blocks]) == "<root>+blocks.0+...+blocks.11 (13 groups)"
+    assert bucket_label([""]) == ""  # one group: its own gather's label
+    assert module_label(blocks[:4]) == "blocks.0,blocks.1,blocks.2,blocks.3"
+    assert (
+        module_label([f"layers.{i}" for i in range(256)]) == "layers.0 .. layers.255 (256 modules)"
+    )
+
+
+def _list_group_labels() -> list[str]:
+    from fsdp2 import fully_shard
+    from fsdp2.engine.collectives import record_collectives
+    from tests.models import MODELS
+
+    model = MLPStack(NUM_BLOCKS)
+    fully_shard(list(model.blocks))
+    fully_shard(model)
+    with record_collectives() as records:
+        x, y = MODELS["mlp"].make_batch(torch.Generator().manual_seed(0), 4)
+        model(x, y).backward()
+    return sorted({r.label for r in records})
+
+
+def test_list_group_label_in_collectives() -> None:
+    for seen in run_on_ranks(2, _list_group_labels):
+        assert seen == ["", "blocks.0 .. blocks.11 (12 modules)"], seen
