@@ -500,6 +500,7 @@ def test_many_small_layers_train_grouped_with_fewer_collectives() -> None:
         assert torch.equal(g, a)
 
 
+@per_group_collectives  # the planner predicts one gather per group (not coalescing yet)
 def _real_records() -> list[tuple[Any, ...]]:
     from fsdp2.engine.collectives import record_collectives
 
