@@ -296,3 +296,38 @@ def _list_group_labels() -> list[str]:
 def test_list_group_label_in_collectives() -> None:
     for seen in run_on_ranks(2, _list_group_labels):
         assert seen == ["", "blocks.0 .. blocks.11 (12 modules)"], seen
+
+
+def _many_groups(budget: int) -> list[float]:
+    """70 blocks, each its own group (more than an int64 word of header bits): losses."""
+    from fsdp2 import fully_shard
+    from fsdp2.engine.coalesce import coalesce_bytes, set_coalesce_bytes
+    from tests.models import MODELS
+
+    saved = coalesce_bytes()
+    set_coalesce_bytes(budget)
+    try:
+        torch.manual_seed(0)
+        model = MLPStack(70)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for step in range(3):
+            x, y = MODELS["mlp"].make_batch(torch.Generator().manual_seed(step), 4)
+            loss = model(x, y)
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            losses.append(loss.item())
+    finally:
+        set_coalesce_bytes(saved)
+    return losses
+
+
+def test_more_groups_than_a_header_word() -> None:
+    """The header's bits span several words: groups past the 32nd (and the 64th) coalesce."""
+    on = run_on_ranks(2, _many_groups, BUDGET)
+    off = run_on_ranks(2, _many_groups, 0)
+    assert on == off

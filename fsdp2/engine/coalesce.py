@@ -70,6 +70,9 @@ _LABEL_GROUPS = 6  # a coalesced gather's label names this many groups, then eli
 _fixed_size: weakref.WeakKeyDictionary[FSDPParamGroup, tuple[tuple[int, int, int], int]] = (
     weakref.WeakKeyDictionary()
 )
+# Per root: each group's position among the root's groups, its bit in the header.
+_positions: weakref.WeakKeyDictionary[FSDPParamGroup, dict[int, int]] = weakref.WeakKeyDictionary()
+_BITS = 32  # header bits per int64 word
 
 
 def _from_env() -> int:
@@ -136,8 +139,9 @@ def _aligned(nbytes: int) -> int:
 
 
 def _header_bytes(num_groups: int) -> int:
-    """One word for the number of groups, then a bit per group: which ones this gather serves."""
-    return _aligned(8 * (1 + -(-num_groups // 64)))
+    """One word for the number of groups, then a bit per group: which ones this gather serves
+    (32 to an int64 word: a 64th bit would not fit a signed word)."""
+    return _aligned(8 * (1 + -(-num_groups // _BITS)))
 
 
 def _per_rank_bytes(groups: list[FSDPParamGroup], budget: int, world: int) -> int:
@@ -218,12 +222,14 @@ def _issue(bucket: list[FSDPParamGroup], groups: list[FSDPParamGroup], per_rank:
     dtype = first.layout.param_dtype
     typed = torch.zeros(per_rank // dtype.itemsize, dtype=dtype, device=device)
     send = typed.view(torch.uint8)
-    words = torch.zeros(header // 8, dtype=torch.int64)
-    words[0] = len(groups)
-    index = {id(g): i for i, g in enumerate(groups)}
+    values = [len(groups)] + [0] * (header // 8 - 1)
+    positions = _positions.get(groups[0], {})
+    if not all(groups[positions.get(id(m), -1)] is m for m in bucket):  # stale: a new root
+        positions = _positions[groups[0]] = {id(g): i for i, g in enumerate(groups)}
     for member in bucket:
-        i = index[id(member)]
-        words[1 + i // 64] |= 1 << (i % 64)
+        i = positions[id(member)]
+        values[1 + i // _BITS] |= 1 << (i % _BITS)
+    words = torch.tensor(values, dtype=torch.int64)
     send[:header].copy_(words.view(torch.uint8))
     sources, offset = [], header
     for member in bucket:
@@ -263,7 +269,7 @@ def _check_headers(headers: torch.Tensor, own: torch.Tensor, groups: list[FSDPPa
         members = [
             groups[i].label or "<root>"
             for i in range(len(groups))
-            if row[0] == len(groups) and (row[1 + i // 64] >> (i % 64)) & 1
+            if row[0] == len(groups) and (row[1 + i // _BITS] >> (i % _BITS)) & 1
         ]
         said = "+".join(members) if members else f"an unreadable header {row}"
         lines.append(f"  rank {rank}: `{said}`")
