@@ -224,7 +224,8 @@ def _issue(bucket: list[FSDPParamGroup], groups: list[FSDPParamGroup], per_rank:
     send = typed.view(torch.uint8)
     values = [len(groups)] + [0] * (header // 8 - 1)
     positions = _positions.get(groups[0], {})
-    if not all(groups[positions.get(id(m), -1)] is m for m in bucket):  # stale: a new root
+    if not all(id(m) in positions and groups[positions[id(m)]] is m for m in bucket):
+        # None yet, or stale (a new root over the same first group)
         positions = _positions[groups[0]] = {id(g): i for i, g in enumerate(groups)}
     for member in bucket:
         i = positions[id(member)]
