@@ -51,9 +51,10 @@ def _sharded_twins() -> tuple[nn.Module, nn.Module]:
 def _train(budget: int, num_micro: int) -> dict[str, Any]:
     """Train with coalescing at ``budget``; the losses, the final full parameters, and the
     all-gathers of each step."""
-    from fsdp2.engine.coalesce import set_coalesce_bytes
+    from fsdp2.engine.coalesce import coalesce_bytes, set_coalesce_bytes
     from tests.models import MODELS
 
+    saved = coalesce_bytes()
     set_coalesce_bytes(budget)
     try:
         model, ref = _sharded_twins()
@@ -72,7 +73,7 @@ def _train(budget: int, num_micro: int) -> dict[str, Any]:
             before_micro=no_sync_but_last,
         )
     finally:
-        set_coalesce_bytes(0)
+        set_coalesce_bytes(saved)  # the pool process runs later tests
     return {
         "losses": out.losses,
         "params": {n: full(p) for n, p in model.named_parameters()},
@@ -136,7 +137,7 @@ def _memory_bound(budget: int) -> int:
     """Train two steps; the most unsharded bytes held at once, outside the root's group and the
     running block's, by the groups and the coalesced gathers' outputs."""
     from fsdp2.engine import coalesce
-    from fsdp2.engine.coalesce import set_coalesce_bytes
+    from fsdp2.engine.coalesce import coalesce_bytes, set_coalesce_bytes
     from tests.models import MODELS
 
     outputs: list[torch.Tensor] = []
@@ -147,6 +148,7 @@ def _memory_bound(budget: int) -> int:
         return real(out, *args, **kwargs)
 
     coalesce.all_gather = spy  # type: ignore[assignment]
+    saved = coalesce_bytes()
     set_coalesce_bytes(budget)
     try:
         model, _ = _sharded_twins()
@@ -167,7 +169,7 @@ def _memory_bound(budget: int) -> int:
             x, y = MODELS["mlp"].make_batch(torch.Generator().manual_seed(step), 4)
             model(x, y).backward()
     finally:
-        set_coalesce_bytes(0)
+        set_coalesce_bytes(saved)  # the pool process runs later tests
         coalesce.all_gather = real  # type: ignore[assignment]
     if not outputs:
         raise AssertionError("expected coalesced gathers, found none")
@@ -186,9 +188,10 @@ def _ranks_disagree() -> str:
     (the root's, alone: the first forward has no order) meets the root's own on rank 1. Returns
     the error this rank raised."""
     import fsdp2
-    from fsdp2.engine.coalesce import set_coalesce_bytes
+    from fsdp2.engine.coalesce import coalesce_bytes, set_coalesce_bytes
     from tests.models import MODELS
 
+    saved = coalesce_bytes()
     set_coalesce_bytes(BUDGET if dist.get_rank() == 0 else 0)
     fsdp2.set_collective_checks(True)
     try:
@@ -199,7 +202,7 @@ def _ranks_disagree() -> str:
     except fsdp2.CollectiveMismatchError as error:
         return str(error)
     finally:
-        set_coalesce_bytes(0)
+        set_coalesce_bytes(saved)  # the pool process runs later tests
         fsdp2.set_collective_checks(False)
     raise AssertionError("expected a CollectiveMismatchError")
 
@@ -219,9 +222,10 @@ def test_collective_checks_name_the_coalesced_groups() -> None:
 def _diverge(skip_on_rank1: int, step_to_skip: int) -> str:
     """Coalescing on, checks off; in one step rank 1 skips a block (a user's rank-dependent
     control flow). Returns the error this rank raised."""
-    from fsdp2.engine.coalesce import set_coalesce_bytes
+    from fsdp2.engine.coalesce import coalesce_bytes, set_coalesce_bytes
     from tests.models import MODELS
 
+    saved = coalesce_bytes()
     set_coalesce_bytes(BUDGET)
     try:
         model, _ = _sharded_twins()
@@ -234,7 +238,7 @@ def _diverge(skip_on_rank1: int, step_to_skip: int) -> str:
     except RuntimeError as error:
         return f"{type(error).__name__}: {error}"
     finally:
-        set_coalesce_bytes(0)
+        set_coalesce_bytes(saved)  # the pool process runs later tests
     return "no error"
 
 
