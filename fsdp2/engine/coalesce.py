@@ -15,7 +15,8 @@ group that cannot join: another process group, device or gather dtype, a custom 
 offload, ``reshard_after_forward=k``, all-gather extensions, one rank, a group already gathered
 or under way, or one that did not run in the last forward. Nothing coalesces while any state has
 explicit prefetch targets (``set_modules_to_*_prefetch``): the user chose the order. The budget
-is ``FSDP2_COALESCE_BYTES``, or :func:`set_coalesce_bytes` (0 turns it off).
+is ``DEFAULT_COALESCE_BYTES`` unless ``FSDP2_COALESCE_BYTES`` or :func:`set_coalesce_bytes`
+(``fsdp2.set_coalesce_bytes``) says otherwise; 0 turns it off.
 
 Ranks that run different modules (a user's rank-dependent control flow, which the hang report
 exists to name) form different buckets: no rule made from one rank's own facts can prevent it,
@@ -62,7 +63,13 @@ from fsdp2.engine.param_group import (
     _plain_tensors,
 )
 
-__all__ = ["bucket_label", "coalesce_bytes", "gather_with_following", "set_coalesce_bytes"]
+__all__ = [
+    "DEFAULT_COALESCE_BYTES",
+    "bucket_label",
+    "coalesce_bytes",
+    "gather_with_following",
+    "set_coalesce_bytes",
+]
 
 _ALIGN = 16  # each part of a send buffer starts here-aligned: a view of any dtype
 _LABEL_GROUPS = 6  # a coalesced gather's label names this many groups, then elides
@@ -75,8 +82,13 @@ _positions: weakref.WeakKeyDictionary[FSDPParamGroup, dict[int, int]] = weakref.
 _BITS = 32  # header bits per int64 word
 
 
+# The budget unless FSDP2_COALESCE_BYTES or set_coalesce_bytes says otherwise: the one place it
+# is set (benchmarks/ sweeps it).
+DEFAULT_COALESCE_BYTES = 256 * 1024
+
+
 def _from_env() -> int:
-    raw = os.environ.get("FSDP2_COALESCE_BYTES", "0")
+    raw = os.environ.get("FSDP2_COALESCE_BYTES", str(DEFAULT_COALESCE_BYTES))
     try:
         return max(0, int(raw))
     except ValueError:
@@ -90,8 +102,16 @@ _budget = _from_env()
 
 
 def set_coalesce_bytes(budget: int) -> None:
-    """Coalesce small groups' all-gathers up to ``budget`` bytes of unsharded parameters per
-    collective (0: off). Every rank must set the same value, before the forward it applies to."""
+    """Gather runs of small ``fully_shard`` groups in one all-gather each, of at most ``budget``
+    bytes (on by default: ``DEFAULT_COALESCE_BYTES``, 256 KiB; ``FSDP2_COALESCE_BYTES`` in the
+    environment sets it at import). Training is bitwise the same either way; fewer collectives
+    for models of many small blocks. Every rank must set the same value, before the forward it
+    applies to.
+
+    Args:
+        budget: bytes of unsharded parameters one coalesced all-gather may bring in; 0 turns
+            coalescing off (one all-gather per group, as torch's ``fully_shard`` issues).
+    """
     global _budget
     _budget = max(0, int(budget))
 
