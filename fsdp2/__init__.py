@@ -17,6 +17,7 @@ from fsdp2.api import (
 from fsdp2.debug.checks import CollectiveMismatchError
 from fsdp2.debug.hang import CollectiveFailedError, CollectiveTimeoutError
 from fsdp2.debug.switches import set_collective_checks
+from fsdp2.engine.coalesce import set_coalesce_bytes
 from fsdp2.engine.collectives import CollectiveRecord, record_collectives
 from fsdp2.engine.comm import AllGather, Comm, LowPrecisionReduceScatter, ReduceScatter
 from fsdp2.engine.policies import (
@@ -57,6 +58,7 @@ __all__ = [
     "record_collectives",
     "register_fsdp_forward_method",
     "replicate",
+    "set_coalesce_bytes",
     "set_collective_checks",
     "set_traced",
     "share_comm_ctx",

@@ -185,13 +185,19 @@ SCENARIOS: dict[str, Callable[[Stack], str]] = {
 CHECKS_ONLY = ("eval_on_rank0", "unused_param", "unused_param_fixed", "scaler_step_on_rank0")
 
 
-def run_scenarios(names: list[str], checks: bool) -> dict[str, tuple[str, float]]:
-    """Each scenario on a fresh group: (what ended this rank's step, seconds it took)."""
+def run_scenarios(
+    names: list[str], checks: bool, coalesce: int = 0
+) -> dict[str, tuple[str, float]]:
+    """Each scenario on a fresh group: (what ended this rank's step, seconds it took), with
+    all-gathers coalesced up to ``coalesce`` bytes (0: each group's own)."""
     import fsdp2
+    from fsdp2.engine.coalesce import coalesce_bytes, set_coalesce_bytes
 
     results = {}
     os.environ["FSDP2_COLLECTIVE_TIMEOUT"] = str(TIMEOUT_S)
     fsdp2.set_collective_checks(checks)
+    saved = coalesce_bytes()
+    set_coalesce_bytes(coalesce)
     try:
         for name in names:
             group = dist.new_group(backend="gloo")
@@ -202,6 +208,7 @@ def run_scenarios(names: list[str], checks: bool) -> dict[str, tuple[str, float]
     finally:
         del os.environ["FSDP2_COLLECTIVE_TIMEOUT"]
         fsdp2.set_collective_checks(False)
+        set_coalesce_bytes(saved)
     return results
 
 
@@ -257,6 +264,9 @@ def early_exit_main() -> None:
     line: what ended its step, and how long the step took."""
     import json
 
+    from fsdp2.engine.coalesce import set_coalesce_bytes
+
+    set_coalesce_bytes(0)  # the report pinned names one group's gather
     os.environ["FSDP2_COLLECTIVE_TIMEOUT"] = sys.argv[2]
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

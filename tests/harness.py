@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
+import functools
 import os
 import pickle
 import shutil
@@ -406,3 +407,44 @@ def launch(
     """`launch_command`, run from the repository root to its end, output captured."""
     cmd, env = launch_command(script, world_size, *args)
     return subprocess.run(cmd, cwd=_REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def per_group_collectives(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run the rank function ``fn`` with all-gather coalescing off ([Note: coalesced gathers]),
+    whatever FSDP2_COALESCE_BYTES says: for a test of one group's own collectives (their count,
+    order or labels against torch's, which gathers each group alone)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from fsdp2.engine.coalesce import coalesce_bytes, set_coalesce_bytes
+
+        saved = coalesce_bytes()
+        set_coalesce_bytes(0)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            set_coalesce_bytes(saved)
+
+    return wrapper
+
+
+def check_backward_order(order: list[tuple[str, str]], expected: list[tuple[str, str]]) -> None:
+    """A backward's collectives ``(kind, label)`` against ``expected``, written one gather per
+    group: exactly when coalescing is off; with it on, the same reduce-scatters in the same
+    order, and each group gathered as often, some of them in coalesced gathers ("a+b")."""
+    from fsdp2.engine.coalesce import coalesce_bytes
+
+    if not coalesce_bytes():
+        assert order == expected, order
+        return
+
+    def reduces(records: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        return [r for r in records if r[0] != "all_gather"]
+
+    def gathered(records: list[tuple[str, str]]) -> list[str]:
+        return sorted(
+            g for kind, label in records if kind == "all_gather" for g in label.split("+")
+        )
+
+    assert reduces(order) == reduces(expected), order
+    assert gathered(order) == gathered(expected), order

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from torch.distributed.tensor import DTensor
 
-from tests.harness import run_on_ranks
+from tests.harness import per_group_collectives, run_on_ranks
 from tests.parity import CollectiveCounter, Lockstep, count, shard_model
 
 NUM_STEPS, NUM_MICRO = 2, 3
@@ -94,6 +94,7 @@ def test_is_last_backward_false_defers_waiting_not_gradients(fsdp2_only: None) -
 # ---------------------------------------------------------------------------------------------
 
 
+@per_group_collectives  # counted against torch's, which gathers each group alone
 def _keep_gathered(impl: str) -> dict[str, Any]:
     """No sync and no resharding until the last micro-step: later micro-steps gather nothing."""
     t = Lockstep("mlp")
@@ -131,6 +132,7 @@ def test_reshard_after_backward_false_keeps_params_gathered(impl: str, fsdp2_onl
         assert result["unsharded"] == [[True] * 4, [True] * 4, [False] * 4] * NUM_STEPS
 
 
+@per_group_collectives  # counted against torch's, which gathers each group alone
 def _reshard_after_forward_phases(impl: str) -> list[dict[str, int]]:
     """Backward all-gathers under a sequence of set_reshard_after_forward calls."""
     t = Lockstep("mlp")

@@ -28,7 +28,7 @@ import fsdp2
 from fsdp2.tools.auto import plan_auto_shard
 from tests.auto_shard_models import ALL_CASES, CASES, Case, block_calls, build_gpt, token_batch
 from tests.errors import raised
-from tests.harness import run_on_ranks
+from tests.harness import per_group_collectives, run_on_ranks
 from tests.parity import count, full, train_side_by_side
 
 NUM_STEPS = 3
@@ -457,6 +457,7 @@ grouped: 300 blocks under min_group_bytes=65,536 (132 to 3,960 bytes of paramete
         )
 
 
+@per_group_collectives  # counts each group's own gathers: grouping, not coalescing
 def _train_many_small(min_group_bytes: int | None) -> dict[str, Any]:
     """ManySmall auto-sharded (grouped or not) trained beside its unsharded twin for 4 AdamW
     steps (train_side_by_side raises on any loss, gradient or parameter mismatch)."""
@@ -499,6 +500,7 @@ def test_many_small_layers_train_grouped_with_fewer_collectives() -> None:
         assert torch.equal(g, a)
 
 
+@per_group_collectives  # the planner predicts one gather per group (not coalescing yet)
 def _real_records() -> list[tuple[Any, ...]]:
     from fsdp2.engine.collectives import record_collectives
 

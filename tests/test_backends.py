@@ -266,8 +266,10 @@ def _hang_main() -> None:
     import logging
     import time
 
+    from fsdp2.engine.coalesce import set_coalesce_bytes
     from tests.hang_scenarios import _step, build, outcome
 
+    set_coalesce_bytes(0)  # the report pinned below names one group's gather
     os.environ["FSDP2_COLLECTIVE_TIMEOUT"] = str(HANG_TIMEOUT_S)
     dist.init_process_group(BACKEND, timeout=timedelta(seconds=BACKEND_TIMEOUT_S))
     logged: list[tuple[float, str]] = []  # (when, message)

@@ -70,9 +70,10 @@ def _recording_grads(model: nn.Module) -> tuple[torch.optim.Optimizer, list[dict
 def _train(budget: int, num_micro: int, bf16: bool = False) -> dict[str, Any]:
     """Train with coalescing at ``budget``; the losses, each step's gradients, the final full
     parameters, and the all-gathers and reduce-scatters of each step."""
-    from fsdp2.engine.coalesce import set_coalesce_bytes
+    from fsdp2.engine.coalesce import coalesce_bytes, set_coalesce_bytes
     from tests.models import MODELS
 
+    saved = coalesce_bytes()
     set_coalesce_bytes(budget)
     try:
         model, ref = _sharded_twins(bf16)
@@ -98,7 +99,7 @@ def _train(budget: int, num_micro: int, bf16: bool = False) -> dict[str, Any]:
             ref_forward=cast_forward(torch.bfloat16, world) if bf16 else None,
         )
     finally:
-        set_coalesce_bytes(0)
+        set_coalesce_bytes(saved)  # the pool process runs later tests
 
     def of(kind: str, nbytes: str) -> tuple[list[list[str]], list[list[int]]]:
         chosen = [[r for r in records if r.kind == kind] for records in out.records]
@@ -150,17 +151,17 @@ def _parity(num_micro: int, bf16: bool = False) -> dict[str, Any]:
     }
 
 
-def _expected_buckets(groups: list[str], sizes: dict[str, int], budget: int) -> list[str]:
-    """Consecutive groups, each bucket's bytes within the budget (greedy, in order)."""
+def _expected_buckets(groups: list[str], sizes: dict[str, int], capacity: int) -> list[str]:
+    """Consecutive groups, each bucket's bytes per rank within the capacity (greedy, in order)."""
     buckets: list[list[str]] = []
-    total = budget + 1
+    total = capacity + 1
     for g in groups:
-        if total + sizes[g] > budget:
+        if total + sizes[g] > capacity:
             buckets.append([])
             total = 0
         buckets[-1].append(g)
         total += sizes[g]
-    return ["+".join(b) for b in buckets]
+    return ["+".join(g or "<root>" for g in b) if len(b) > 1 else b[0] for b in buckets]
 
 
 @pytest.mark.parametrize("num_micro", [1, 2], ids=["sync", "no_sync"])
@@ -172,15 +173,19 @@ def test_parity_and_counts(num_micro: int) -> None:
     # Coalescing off: one gather per group in forward, one per block in each backward.
     assert len(result["off"][1]) == num_micro * (1 + 2 * NUM_BLOCKS)
     # The first forward has no recorded order: nothing coalesces until it ends.
-    sizes = {"": 272, "blocks.0": 576, **dict.fromkeys(blocks[1:], 1088)}
-    forward = _expected_buckets(["", *blocks], sizes, BUDGET)
-    backward = _expected_buckets(blocks[::-1], sizes, BUDGET)  # the root stays gathered
-    assert forward == ["+blocks.0+blocks.1+blocks.2"] + [
+    # Per rank, each group's shard aligned to 16 bytes: the head's 136 bytes take 144.
+    sizes = {"": 144, "blocks.0": 288, **dict.fromkeys(blocks[1:], 544)}
+    # Each rank sends BUDGET / 2 (to 16 bytes: 1,648), less a 16-byte header naming the groups.
+    capacity = 1648 - 16
+    forward = _expected_buckets(["", *blocks], sizes, capacity)
+    backward = _expected_buckets(blocks[::-1], sizes, capacity)  # the root stays gathered
+    assert forward == ["<root>+blocks.0+blocks.1+blocks.2"] + [
         "+".join(blocks[i : i + 3]) for i in (3, 6, 9)
     ]
     for step in (1, 2):
         assert result["on"][step] == (forward + backward) * num_micro, step
-    assert max(max(b) for b in result["bytes"]) <= BUDGET
+    # Every coalesced gather has the same size, the budget's (a mismatch cannot abort gloo).
+    assert {b for step in (1, 2) for b in result["bytes"][step]} == {2 * 1648}
     _check_reduces(result, num_micro)
 
 
@@ -193,7 +198,7 @@ REDUCE_BUCKETS = [
     "blocks.4+blocks.3",
     # blocks.0 (8x16) and the root's head are smaller; the root reduces at the end of backward,
     # joining the bucket still held there.
-    "blocks.2+blocks.1+blocks.0+",
+    "blocks.2+blocks.1+blocks.0+<root>",
 ]
 
 
@@ -224,7 +229,7 @@ def _memory_bound(budget: int) -> int:
     """Train two steps; the most unsharded bytes held at once, outside the root's group and the
     running block's, by the groups and the coalesced gathers' outputs."""
     from fsdp2.engine import coalesce
-    from fsdp2.engine.coalesce import set_coalesce_bytes
+    from fsdp2.engine.coalesce import coalesce_bytes, set_coalesce_bytes
     from tests.models import MODELS
 
     outputs: list[torch.Tensor] = []
@@ -235,6 +240,7 @@ def _memory_bound(budget: int) -> int:
         return real(out, *args, **kwargs)
 
     coalesce.all_gather = spy  # type: ignore[assignment]
+    saved = coalesce_bytes()
     set_coalesce_bytes(budget)
     try:
         model, _ = _sharded_twins()
@@ -255,7 +261,7 @@ def _memory_bound(budget: int) -> int:
             x, y = MODELS["mlp"].make_batch(torch.Generator().manual_seed(step), 4)
             model(x, y).backward()
     finally:
-        set_coalesce_bytes(0)
+        set_coalesce_bytes(saved)  # the pool process runs later tests
         coalesce.all_gather = real  # type: ignore[assignment]
     if not outputs:
         raise AssertionError("expected coalesced gathers, found none")
@@ -271,11 +277,13 @@ def test_memory_bounded_by_budget() -> None:
 
 def _ranks_disagree() -> str:
     """Coalescing on rank 0 only, with the collective checks on: the first coalesced gather
-    (the first backward's) meets a single group's on rank 1. Returns the error this rank raised."""
+    (the root's, alone: the first forward has no order) meets the root's own on rank 1. Returns
+    the error this rank raised."""
     import fsdp2
-    from fsdp2.engine.coalesce import set_coalesce_bytes
+    from fsdp2.engine.coalesce import coalesce_bytes, set_coalesce_bytes
     from tests.models import MODELS
 
+    saved = coalesce_bytes()
     set_coalesce_bytes(BUDGET if dist.get_rank() == 0 else 0)
     fsdp2.set_collective_checks(True)
     try:
@@ -286,7 +294,7 @@ def _ranks_disagree() -> str:
     except fsdp2.CollectiveMismatchError as error:
         return str(error)
     finally:
-        set_coalesce_bytes(0)
+        set_coalesce_bytes(saved)  # the pool process runs later tests
         fsdp2.set_collective_checks(False)
     raise AssertionError("expected a CollectiveMismatchError")
 
@@ -297,16 +305,20 @@ def test_collective_checks_name_the_coalesced_groups() -> None:
     sizes."""
     for message in run_on_ranks(2, _ranks_disagree):
         # (the collective's number counts this rank process's collectives so far: not pinned)
-        assert "for `blocks.11+blocks.10+blocks.9` (408 elements" in message, message
-        assert "for `blocks.11` (136 elements" in message, message
+        # The first gather: the root's, coalesced alone at the fixed size on rank 0.
+        assert "rank 0: all-gather #" in message, message
+        assert "for `<root>` (412 elements, float32)" in message, message
+        assert "for `<root>` (34 elements, float32)" in message, message
 
 
 def _held_reduce_bytes(budget: int) -> dict[str, int]:
     """Train three steps; the most bytes of reduce-scatter inputs held at once (measured on
     their storages), and the most members one bucket had."""
     from fsdp2.engine import coalesce_reduce
-    from fsdp2.engine.coalesce import set_coalesce_bytes
+    from fsdp2.engine.coalesce import coalesce_bytes, set_coalesce_bytes
     from tests.models import MODELS
+
+    saved = coalesce_bytes()
 
     held = coalesce_reduce.HeldReduces
     real_reduce, real_flush = held.reduce, held.flush
@@ -333,7 +345,7 @@ def _held_reduce_bytes(budget: int) -> dict[str, int]:
             x, y = MODELS["mlp"].make_batch(torch.Generator().manual_seed(step), 4)
             model(x, y).backward()
     finally:
-        set_coalesce_bytes(0)
+        set_coalesce_bytes(saved)
         held.reduce, held.flush = real_reduce, real_flush  # type: ignore[method-assign]
     return peak
 
@@ -364,9 +376,10 @@ def _gradients_some_ranks_only(budget: int) -> dict[str, Any]:
     collective checks on; a backward for the input only first. Each step's gradients."""
     import fsdp2
     from fsdp2 import fully_shard
-    from fsdp2.engine.coalesce import set_coalesce_bytes
+    from fsdp2.engine.coalesce import coalesce_bytes, set_coalesce_bytes
     from tests.models import MODELS
 
+    saved = coalesce_bytes()
     set_coalesce_bytes(budget)
     fsdp2.set_collective_checks(True)
     try:
@@ -388,7 +401,7 @@ def _gradients_some_ranks_only(budget: int) -> dict[str, Any]:
             optim.step()
             optim.zero_grad()
     finally:
-        set_coalesce_bytes(0)
+        set_coalesce_bytes(saved)
         fsdp2.set_collective_checks(False)
     return {"grads": grads, "untouched": untouched}
 
@@ -417,3 +430,123 @@ def test_gradients_on_some_ranks_only() -> None:
     parameter no rank used stays None. A backward for an input only gives no gradient."""
     for untouched in run_on_ranks(2, _some_ranks_only):
         assert untouched
+
+
+def _diverge(skip_on_rank1: int, step_to_skip: int) -> str:
+    """Coalescing on, checks off; in one step rank 1 skips a block (a user's rank-dependent
+    control flow). Returns the error this rank raised."""
+    from fsdp2.engine.coalesce import coalesce_bytes, set_coalesce_bytes
+    from tests.models import MODELS
+
+    saved = coalesce_bytes()
+    set_coalesce_bytes(BUDGET)
+    try:
+        model, _ = _sharded_twins()
+        every = list(model.blocks)  # type: ignore[arg-type]
+        for step in range(3):
+            if step == step_to_skip and dist.get_rank() == 1:
+                model.blocks = nn.ModuleList(b for i, b in enumerate(every) if i != skip_on_rank1)
+            x, y = MODELS["mlp"].make_batch(torch.Generator().manual_seed(step), 4)
+            model(x, y).backward()
+    except RuntimeError as error:
+        return f"{type(error).__name__}: {error}"
+    finally:
+        set_coalesce_bytes(saved)  # the pool process runs later tests
+    return "no error"
+
+
+@pytest.mark.parametrize("skip", [4, 3], ids=["inside_a_bucket", "starts_a_bucket"])
+def test_diverging_ranks_named_on_every_rank(skip: int) -> None:
+    """A block skipped on one rank: the ranks' coalesced gathers serve different groups. Each
+    has the same size (gloo would abort a process on a size mismatch, with no report), and a
+    header naming its groups, so that every rank raises an error naming both sides (each
+    rank's groups in the model's order)."""
+    messages = run_on_ranks(2, _diverge, skip, 1)
+    for message in messages:
+        assert message.startswith(
+            "CollectiveMismatchError: fsdp2: the ranks gathered different groups in one "
+            "coalesced all-gather:"
+        ), message
+        assert "Every rank must run every sharded module" in message, message
+    assert messages[0] == messages[1]
+    expected = {
+        # Forward: the bucket started at blocks.3 on both ranks; rank 1 ran it without blocks.4,
+        # so backward's bucket from blocks.5 reaches blocks.3 on rank 1 only.
+        4: "  rank 0: `blocks.3+blocks.4+blocks.5`\n  rank 1: `blocks.2+blocks.3+blocks.5`\n",
+        # Forward: rank 1 skips blocks.3, which starts a bucket on rank 0 (it needs it now).
+        3: "  rank 0: `blocks.3+blocks.4+blocks.5`\n  rank 1: `blocks.4+blocks.5+blocks.6`\n",
+    }[skip]
+    assert expected in messages[0], messages[0]
+
+
+def test_long_labels_are_elided() -> None:
+    """A coalesced gather of many groups names its first two and last, and how many; a
+    fully_shard([...]) group of many modules, its first and last: labels appear in every
+    report, and a joined list of 256 names is no name."""
+    from fsdp2.engine.coalesce import bucket_label
+    from fsdp2.engine.state import module_label
+
+    blocks = [f"blocks.{i}" for i in range(12)]
+    assert bucket_label(blocks[:6]) == "+".join(blocks[:6])
+    assert bucket_label(["", *blocks]) == "<root>+blocks.0+...+blocks.11 (13 groups)"
+    assert bucket_label([""]) == ""  # one group: its own gather's label
+    assert module_label(blocks[:4]) == "blocks.0,blocks.1,blocks.2,blocks.3"
+    assert (
+        module_label([f"layers.{i}" for i in range(256)]) == "layers.0 .. layers.255 (256 modules)"
+    )
+
+
+def _list_group_labels() -> list[str]:
+    from fsdp2 import fully_shard
+    from fsdp2.engine.collectives import record_collectives
+    from tests.models import MODELS
+
+    model = MLPStack(NUM_BLOCKS)
+    fully_shard(list(model.blocks))
+    fully_shard(model)
+    with record_collectives() as records:
+        x, y = MODELS["mlp"].make_batch(torch.Generator().manual_seed(0), 4)
+        model(x, y).backward()
+    return sorted({r.label for r in records})
+
+
+def test_list_group_label_in_collectives() -> None:
+    for seen in run_on_ranks(2, _list_group_labels):
+        group = "blocks.0 .. blocks.11 (12 modules)"
+        # the reduce-scatter of the list group coalesces with the root's (default budget)
+        assert seen == ["", group, f"{group}+<root>"], seen
+
+
+def _many_groups(budget: int) -> list[float]:
+    """70 blocks, each its own group (more than an int64 word of header bits): losses."""
+    from fsdp2 import fully_shard
+    from fsdp2.engine.coalesce import coalesce_bytes, set_coalesce_bytes
+    from tests.models import MODELS
+
+    saved = coalesce_bytes()
+    set_coalesce_bytes(budget)
+    try:
+        torch.manual_seed(0)
+        model = MLPStack(70)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for step in range(3):
+            x, y = MODELS["mlp"].make_batch(torch.Generator().manual_seed(step), 4)
+            loss = model(x, y)
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            losses.append(loss.item())
+    finally:
+        set_coalesce_bytes(saved)
+    return losses
+
+
+def test_more_groups_than_a_header_word() -> None:
+    """The header's bits span several words: groups past the 32nd (and the 64th) coalesce."""
+    on = run_on_ranks(2, _many_groups, BUDGET)
+    off = run_on_ranks(2, _many_groups, 0)
+    assert on == off

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 
-from tests.harness import IMPL_UNDER_TEST, run_on_ranks
+from tests.harness import IMPL_UNDER_TEST, per_group_collectives, run_on_ranks
 from tests.models import MODELS, build_model
 from tests.parity import (
     LR,
@@ -62,6 +62,7 @@ def _ground_truth(name: str, step: int) -> dict[str, Any]:
     }
 
 
+@per_group_collectives  # one collective per group, as predicted and as torch's
 def _run_step(
     impl: str, name: str, reshard_after_forward: bool | None, step: int, recorder: str
 ) -> dict[str, Any]:

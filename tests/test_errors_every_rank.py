@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from tests.errors import NO_ERROR, error_text
-from tests.harness import IMPL_UNDER_TEST, run_on_ranks
+from tests.harness import IMPL_UNDER_TEST, per_group_collectives, run_on_ranks
 from tests.test_api import ClaimsDevice
 
 TIMEOUT_S = 30.0  # a hang shows as a TimeoutError well before the harness's default
@@ -162,6 +162,7 @@ Change them alike on every rank""",
         )
 
 
+@per_group_collectives  # counts one gather per group
 def _meta_on_rank1_only() -> dict[str, object]:
     """accelerate's ``cpu_ram_efficient_loading``: real weights on rank 0, meta elsewhere at
     ``fully_shard``; the others ``to_empty`` and receive rank 0's values. Legitimate: no error,
@@ -186,6 +187,7 @@ def _meta_on_rank1_only() -> dict[str, object]:
     return {"init": dict(Counter(r.kind for r in at_init)), "steps": kinds}
 
 
+@per_group_collectives  # counts one gather per group
 def _plain_steps() -> list[dict[str, int]]:
     """A model that never saw meta: no exchange in any step, the first included."""
     from fsdp2 import fully_shard

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import Shard
 
-from tests.harness import run_on_ranks
+from tests.harness import per_group_collectives, run_on_ranks
 
 WORLD = 2
 STEPS = 30
@@ -19,6 +19,7 @@ def _mlp(seed: int) -> nn.Sequential:
     return nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(3)])
 
 
+@per_group_collectives  # the int8 groups never coalesce: compared with plain ones alone
 def _train(int8: bool, steps: int) -> dict[str, object]:
     """Regress onto a fixed teacher; report losses, gather bytes and unsharded tensor ids."""
     import fsdp2

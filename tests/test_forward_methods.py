@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from tests.harness import fsdp_api, run_on_ranks
+from tests.harness import fsdp_api, per_group_collectives, run_on_ranks
 from tests.models import MLP_IN, Batch
 from tests.parity import CollectiveCounter, Lockstep
 from tests.tolerance import assert_fp32_close
@@ -76,6 +76,7 @@ def _shard_chunked_lm(model: nn.Module, impl: str) -> None:
     fully_shard(model)
 
 
+@per_group_collectives  # counted against torch's, which gathers each group alone
 def _grouped(impl: str, num_chunks: int) -> list[dict[str, int]]:
     t = Lockstep(functools.partial(ChunkedLM, num_chunks), _lm_batch)
     _shard_chunked_lm(t.model, impl)

@@ -29,12 +29,18 @@ pytestmark = pytest.mark.skipif(IMPL_UNDER_TEST != "fsdp2", reason="fsdp2's own 
 Results = dict[str, list[tuple[str, float]]]  # scenario -> per rank (outcome, seconds)
 
 
+COALESCE = 256 * 1024  # the coalescing budget of TestCoalescedHangReport's runs
+
+
 @functools.cache
-def _results(checks: bool) -> Results:
+def _results(checks: bool, coalesce: bool = False) -> Results:
     from tests.hang_scenarios import run_scenarios
 
     names = [name for name in SCENARIOS if checks or name not in CHECKS_ONLY]
-    per_rank = run_on_ranks(2, run_scenarios, names, checks, timeout=120)
+    if coalesce:
+        names = [name for name in names if name in COALESCED]
+    budget = COALESCE if coalesce else 0
+    per_rank = run_on_ranks(2, run_scenarios, names, checks, budget, timeout=120)
     return {name: [per_rank[r][name] for r in range(2)] for name in names}
 
 
@@ -45,8 +51,8 @@ def _discard_broken_groups() -> Iterator[None]:
     discard_pool(2)  # the scenarios' groups have half-done collectives on their gloo threads
 
 
-def _outcomes(name: str, checks: bool) -> list[str]:
-    results = _results(checks)[name]
+def _outcomes(name: str, checks: bool, coalesce: bool = False) -> list[str]:
+    results = _results(checks, coalesce)[name]
     for rank, (_, seconds) in enumerate(results):
         # Bounded by the deadline, not by gloo's 30-minute timeout: the deadline, one
         # publishing interval of grace, and slack for a loaded machine.
@@ -55,7 +61,8 @@ def _outcomes(name: str, checks: bool) -> list[str]:
 
 
 class TestHangReport(expecttest.TestCase):
-    """Checks off: every rank blocked in an fsdp2 collective raises the hang report."""
+    """Checks off: every rank blocked in an fsdp2 collective raises the hang report. Coalescing
+    off: each group's own collectives (TestCoalescedHangReport: on)."""
 
     def test_skipped_block(self) -> None:
         rank0, rank1 = _outcomes("skipped_block", checks=False)
@@ -142,6 +149,88 @@ CollectiveTimeoutError: fsdp2: rank 0 waited N s (FSDP2_COLLECTIVE_TIMEOUT) for 
 Where each rank is (from the c10d store):
   rank 0 (this rank): blocked in it
   rank 1: MISSING, issued only #0-#16 on this group; not in an fsdp2 collective (busy elsewhere, finished or raised); last seen N s ago issuing reduce-scatter #16 for `<root>` (40 elements, float32) [published N s ago]
+A rank MISSING from it skipped that module (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs or shapes), raised, or never started the step. A rank on a DIFFERENT collective got out of step earlier: collectives pair up by order, not by module, so earlier ones may have exchanged wrong data. The process group is unusable now (a collective is half done): abort the job on every rank. FSDP2_CHECK_COLLECTIVES=1 stops at the first collective where the ranks disagree, with both sides named.""",
+        )
+        self.assertEqual(rank1, "skipped step 1")
+
+
+COALESCED = (
+    "skipped_block",
+    "expert_on_rank0",
+    "raise_in_backward",
+    "batch_shapes",
+    "never_enters",
+)
+
+
+class TestCoalescedHangReport(expecttest.TestCase):
+    """Checks off, coalescing on ([Note: coalesced gathers]): ranks whose coalesced gathers
+    serve different groups exchange equal sizes and raise CollectiveMismatchError on every
+    rank, naming each rank's groups; a rank missing from one gets the hang report, which names
+    the coalesced gather's groups. Never gloo's abort, which reports nothing."""
+
+    def _both(self, name: str) -> tuple[str, str]:
+        rank0, rank1 = _outcomes(name, checks=False, coalesce=True)
+        return rank0, rank1
+
+    def test_skipped_block(self) -> None:
+        rank0, rank1 = self._both("skipped_block")
+        self.assertEqual(rank0, rank1)
+        self.assertExpectedInline(
+            rank0,
+            """\
+CollectiveMismatchError: fsdp2: the ranks gathered different groups in one coalesced all-gather:
+  rank 0: `blocks.1`
+  rank 1: `blocks.2`
+The ranks ran different fully_shard modules in this iteration (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs). Every rank must run every sharded module in each forward, in the same order (give an unused expert a zero-weighted call). The gathered data was discarded. To see each collective on its own, turn coalescing off (FSDP2_COALESCE_BYTES=0).""",
+        )
+
+    def test_expert_on_rank0(self) -> None:
+        rank0, rank1 = self._both("expert_on_rank0")
+        self.assertEqual(rank0, rank1)
+        self.assertExpectedInline(
+            rank0,
+            """\
+CollectiveMismatchError: fsdp2: the ranks gathered different groups in one coalesced all-gather:
+  rank 0: `experts.1`
+  rank 1: `blocks.0+blocks.1+blocks.2+experts.0`
+The ranks ran different fully_shard modules in this iteration (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs). Every rank must run every sharded module in each forward, in the same order (give an unused expert a zero-weighted call). The gathered data was discarded. To see each collective on its own, turn coalescing off (FSDP2_COALESCE_BYTES=0).""",
+        )
+
+    def test_batch_shapes(self) -> None:
+        rank0, rank1 = self._both("batch_shapes")
+        self.assertEqual(rank0, rank1)
+        self.assertExpectedInline(
+            rank0,
+            """\
+CollectiveMismatchError: fsdp2: the ranks gathered different groups in one coalesced all-gather:
+  rank 0: `blocks.0+blocks.1+blocks.2+experts.0+experts.1`
+  rank 1: `long_context`
+The ranks ran different fully_shard modules in this iteration (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs). Every rank must run every sharded module in each forward, in the same order (give an unused expert a zero-weighted call). The gathered data was discarded. To see each collective on its own, turn coalescing off (FSDP2_COALESCE_BYTES=0).""",
+        )
+
+    def test_raise_in_backward(self) -> None:
+        rank0, rank1 = self._both("raise_in_backward")
+        self.assertExpectedInline(
+            rank0,
+            """\
+CollectiveTimeoutError: fsdp2: rank 0 waited N s (FSDP2_COLLECTIVE_TIMEOUT) for the reduce-scatter #10 for `blocks.1` (76 elements, float32) on the process group of ranks [0, 1], and it has not finished.
+Where each rank is (from the c10d store):
+  rank 0 (this rank): blocked in it
+  rank 1: MISSING, issued only #0-#9 on this group; not in an fsdp2 collective (busy elsewhere, finished or raised); last seen N s ago issuing reduce-scatter #9 for `blocks.2` (76 elements, float32) [published N s ago]
+A rank MISSING from it skipped that module (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs or shapes), raised, or never started the step. A rank on a DIFFERENT collective got out of step earlier: collectives pair up by order, not by module, so earlier ones may have exchanged wrong data. The process group is unusable now (a collective is half done): abort the job on every rank. FSDP2_CHECK_COLLECTIVES=1 stops at the first collective where the ranks disagree, with both sides named.""",
+        )
+        self.assertEqual(rank1, "RuntimeError: tripwire fired in backward")
+
+    def test_never_enters(self) -> None:
+        rank0, rank1 = self._both("never_enters")
+        self.assertExpectedInline(
+            rank0,
+            """\
+CollectiveTimeoutError: fsdp2: rank 0 waited N s (FSDP2_COLLECTIVE_TIMEOUT) for the all-gather #13 for `<root>+blocks.0+blocks.1+blocks.2+experts.0+experts.1` (240 elements, float32) on the process group of ranks [0, 1], and it has not finished.
+Where each rank is (from the c10d store):
+  rank 0 (this rank): blocked in it
+  rank 1: MISSING, issued only #0-#12 on this group; not in an fsdp2 collective (busy elsewhere, finished or raised); last seen N s ago issuing reduce-scatter #12 for `<root>` (40 elements, float32) [published N s ago]
 A rank MISSING from it skipped that module (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs or shapes), raised, or never started the step. A rank on a DIFFERENT collective got out of step earlier: collectives pair up by order, not by module, so earlier ones may have exchanged wrong data. The process group is unusable now (a collective is half done): abort the job on every rank. FSDP2_CHECK_COLLECTIVES=1 stops at the first collective where the ranks disagree, with both sides named.""",
         )
         self.assertEqual(rank1, "skipped step 1")

@@ -205,11 +205,18 @@ def _at_reduce_scatter() -> list[dict[str, Any]]:
         gathered.append(out)
         return all_gather(out, *a, **k)
 
-    # Each group's own collective seam (FSDPParamGroup.all_gather, GradientReducer.reduce_scatter).
+    # Each group's own collective seam (FSDPParamGroup.all_gather, GradientReducer.reduce_scatter),
+    # and the coalesced gathers' (engine/coalesce.py): their shared outputs must go too.
+    from fsdp2.engine import coalesce
+
     for g in _groups(model):
         g.all_gather = spy_all_gather
         g.reducer.reduce_scatter = spy_reduce_scatter
-    model(*make_batch("mlp", batch_seed(0, dist.get_rank()), 4)).backward()
+    coalesce.all_gather = spy_all_gather  # type: ignore[assignment]
+    try:
+        model(*make_batch("mlp", batch_seed(0, dist.get_rank()), 4)).backward()
+    finally:
+        coalesce.all_gather = all_gather  # type: ignore[assignment]
     # Our gather outputs are freed once copied out, whoever else still references them.
     left = sum(t.untyped_storage().nbytes() for t in gathered)
     seen.append({"gathers": len(gathered) > 0, "gather_outputs_left": left})

@@ -31,6 +31,7 @@ from tests.harness import (
     discard_pool,
     fsdp_api,
     init_local_process_group,
+    per_group_collectives,
     run_on_ranks,
 )
 from tests.models import MODELS, MLPStack, build_model
@@ -108,6 +109,7 @@ def mesh_2x2(names: tuple[str, str], unflattened: bool) -> DeviceMesh:
     return world._unflatten(0, (2, 2), names)
 
 
+@per_group_collectives  # counts one gather per group (and its bytes)
 def _hsdp(layout: str, knob: str | None) -> dict[str, Any]:
     names, dims = HSDP_LAYOUTS[layout]
     mesh = mesh_2x2(names, layout.endswith("_unflattened"))
@@ -294,6 +296,7 @@ def test_shard_placement_fn_parity(name: str, world_size: int, dim: int) -> None
 # ---------------------------------------------------------------------------------------------
 
 
+@per_group_collectives  # the bytes of one group's own gather
 def _ignored() -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     model, ref = twins(MLPStack)

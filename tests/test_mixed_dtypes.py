@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from fsdp2 import CPUOffloadPolicy, MixedPrecisionPolicy
-from tests.harness import fsdp_api, run_on_ranks
+from tests.harness import fsdp_api, per_group_collectives, run_on_ranks
 from tests.parity import close, count, full, train_side_by_side
 from tests.tolerance import BF16_TOL, FP32, Tolerance
 
@@ -107,6 +107,7 @@ def shard(model: Net, impl: str = "fsdp2", **kwargs: Any) -> None:
 TOLERANCES: dict[str, Tolerance] = {"lora": FP32, "fp64": FP32, "bf16": BF16_TOL}
 
 
+@per_group_collectives  # counts each group's own gathers
 def _parity(kind: str, offload: bool, no_sync: bool = False) -> list[float]:
     rank, world = dist.get_rank(), dist.get_world_size()
     model, ref = build(kind), build(kind)

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import fsdp2
 from fsdp2 import MixedPrecisionPolicy
 from fsdp2.engine.collectives import record_collectives
-from tests.harness import fsdp_api, run_on_ranks
+from tests.harness import fsdp_api, per_group_collectives, run_on_ranks
 from tests.models import MODELS, Batch, MLPStack, build_model
 from tests.parity import (
     MODEL_SEED,
@@ -50,6 +50,7 @@ def shard_units(model: nn.Module, name: str, mp_policy: MixedPrecisionPolicy) ->
 # ---------------------------------------------------------------------------------------------
 
 
+@per_group_collectives  # pins each group's own gathers (their bytes)
 def _dtypes(reduce_dtype: str | None) -> dict[str, Any]:
     world = dist.get_world_size()
     model = build_model("mlp", MODEL_SEED)
@@ -253,6 +254,7 @@ class Recorder(nn.Module):
         return y + extra.to(y.dtype), rows + self.int_buf[rows], scale
 
 
+@per_group_collectives  # pins each group's own gathers (their bytes)
 def _policy(param_dtype: str | None, output_dtype: str | None, cast_inputs: bool) -> dict[str, Any]:
     torch.manual_seed(MODEL_SEED)
     module = Recorder()

@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from tests.harness import IMPL_UNDER_TEST, fsdp_api, run_on_ranks
+from tests.harness import IMPL_UNDER_TEST, check_backward_order, fsdp_api, run_on_ranks
 from tests.models import Batch
 from tests.parity import Lockstep, close, fsdp_modules, mean_over_ranks
 
@@ -221,4 +221,8 @@ def test_each_group_freed_before_the_one_before_it_gathers() -> None:
         ("reduce_scatter", ""),
     ]
     for orders in run_on_ranks(2, _backward_order):
-        assert orders == [expected, expected]
+        assert len(orders) == 2
+        for order in orders:
+            # Coalescing on: the groups ahead come in one gather, within its budget (test_coalesce
+            # bounds that memory); each group still reduces in turn.
+            check_backward_order(order, expected)

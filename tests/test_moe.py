@@ -130,9 +130,13 @@ def test_expert_without_tokens_on_one_rank_trains_as_data_parallel(mesh: str) ->
     """The same collective sizes on every rank and step; gradients and parameters equal the
     reference's, the never-routed expert's gradient None like its."""
     world, shape = MESHES[mesh]
+    from fsdp2.engine.coalesce import coalesce_bytes
+
     results = run_on_ranks(world, _train, False, shape)
     assert all(result["sizes"] == results[0]["sizes"] for result in results)
-    assert results[0]["sizes"] == [results[0]["sizes"][0]] * NUM_STEPS
+    # Coalescing: step 0 has no recorded order and gathers each group alone; later steps agree.
+    steady = results[0]["sizes"][1:] if coalesce_bytes() else results[0]["sizes"]
+    assert steady == [steady[0]] * len(steady)
     for result in results:
         assert result["unused_grads"] == [[True] * NUM_BLOCKS] * NUM_STEPS
 

@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from tests.harness import fsdp_api, run_on_ranks
+from tests.harness import fsdp_api, per_group_collectives, run_on_ranks
 from tests.models import Batch
 from tests.parity import CollectiveCounter, Lockstep
 from tests.parity.lockstep import SeamAwareMode
@@ -63,6 +63,7 @@ class Checkpointed(nn.Module):
         return F.mse_loss(self.head(h), y)
 
 
+@per_group_collectives  # each group's own gathers, against torch's
 def _counted_steps(impl: str, reentrant: bool, reshard_after_forward: bool) -> list[Any]:
     fully_shard = fsdp_api(impl).fully_shard
     t = Lockstep(functools.partial(Checkpointed, reentrant), _batch)
@@ -166,6 +167,7 @@ class Sequence(SeamAwareMode):
         return func(*args, **(kwargs or {}))
 
 
+@per_group_collectives  # each group's own gathers, against torch's
 def _passing_steps(impl: str, ac: str) -> list[list[str]]:
     fully_shard = fsdp_api(impl).fully_shard
     t = Lockstep(functools.partial(Passing, ac), _batch)
@@ -210,6 +212,7 @@ def test_block_returning_its_input_is_gathered_once(ac: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+@per_group_collectives  # each group's own gathers, against torch's
 def _input_grad_steps(impl: str) -> list[Any]:
     """Adversarial training (FGSM): each step first takes the loss's gradient with respect to
     the input alone (``torch.autograd.grad``), perturbs the input along it, then trains on the

@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 import fsdp2
 from fsdp2.engine.collectives import record_collectives
 from fsdp2.tools.swap import unpatch_torch_fsdp
-from tests.harness import IMPL_UNDER_TEST, run_on_ranks
+from tests.harness import IMPL_UNDER_TEST, per_group_collectives, run_on_ranks
 from tests.parity import CollectiveCounter
 
 DIM, MICRO_BATCH, NUM_MICRO, NUM_STEPS = 8, 2, 4, 3
@@ -80,6 +80,7 @@ def _fully_shard_for(way: str) -> Iterator[Any]:
             unpatch_torch_fsdp()  # this pool process runs later tests on torch's names
 
 
+@per_group_collectives  # counted against torch's, which gathers each group alone
 def _train(way: str, schedule: str) -> dict[str, Any]:
     """Train ``NUM_STEPS`` steps; per step: losses, collectives, gradients; then parameters."""
     from torch.distributed.device_mesh import init_device_mesh

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp2
 from tests.errors import raised
-from tests.harness import run_on_ranks
+from tests.harness import per_group_collectives, run_on_ranks
 from tests.models import MODELS, build_model
 from tests.parity import MODEL_SEED, local_batch
 
@@ -110,6 +110,7 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
+@per_group_collectives  # the planner predicts one gather per group (not coalescing yet)
 def _real_step(
     model_name: str, sharder: str, mesh_shape: tuple[int, ...], prefetch: bool = False
 ) -> dict[str, Any]:

@@ -125,11 +125,15 @@ def _recover(impl: str, where: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_reset_iter_state_after_failed_step(where: str, fsdp2_only: None) -> None:
+    from fsdp2.engine.coalesce import coalesce_bytes
+
     for result in run_on_ranks(2, _recover, "fsdp2", where):
         assert result["grads"] == []
         assert result["training states"] == ["IDLE"]
-        # The steps after the failure communicate exactly like those before it.
-        assert all(c == result["comms"][0] for c in result["comms"]), result["comms"]
+        # The steps after the failure communicate exactly like those before it (with coalescing,
+        # like step 1: step 0 has no recorded order to coalesce by, [Note: coalesced gathers]).
+        comms = result["comms"] if not coalesce_bytes() else result["comms"][1:]
+        assert all(c == comms[0] for c in comms), result["comms"]
 
 
 def _recover_accumulation() -> dict[str, Any]:

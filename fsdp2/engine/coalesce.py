@@ -10,15 +10,33 @@ slice of the shared rank-major output and copies it out at its own ``wait_for_un
 as after a prefetch. The data each group receives is the very bytes its own gather would have
 brought, so parameters, gradients and every later number are bitwise those of coalescing off.
 
-The bucket grows while the gather output (the unsharded bytes of its groups) stays within the
-budget (``FSDP2_COALESCE_BYTES``, or :func:`set_coalesce_bytes`; 0, the default, turns it off),
-and stops at the first group that cannot join: another process group, device or gather dtype,
-a custom all-gather, CPU offload, ``reshard_after_forward=k``, all-gather extensions, one rank,
-a group already gathered or under way, or one that did not run in the last forward. Nothing
-coalesces while any state has explicit prefetch targets (``set_modules_to_*_prefetch``): the
-user chose the order. Every fact used is the same on every rank when the model and the program
-are, so every rank forms the same buckets. The collective's label names its groups
-(``"a+b+c"``): the hang report and the collective checks see one collective, named.
+The bucket grows while its groups' shards fit in the fixed send size, and stops at the first
+group that cannot join: another process group, device or gather dtype, a custom all-gather, CPU
+offload, ``reshard_after_forward=k``, all-gather extensions, one rank, a group already gathered
+or under way, or one that did not run in the last forward. Nothing coalesces while any state has
+explicit prefetch targets (``set_modules_to_*_prefetch``): the user chose the order. The budget
+is ``DEFAULT_COALESCE_BYTES`` unless ``FSDP2_COALESCE_BYTES`` or :func:`set_coalesce_bytes`
+(``fsdp2.set_coalesce_bytes``) says otherwise; 0 turns it off.
+
+Ranks that run different modules (a user's rank-dependent control flow, which the hang report
+exists to name) form different buckets: no rule made from one rank's own facts can prevent it,
+since what ran is exactly what differs. So every coalesced gather has ONE size, whatever its
+groups: each rank sends the budget's share (``budget // world``, to 16 bytes; less if all the
+root's small groups fit in less), a header (a bit per group of the root, the same list on every
+rank) then the shards, aligned, then zeros. A
+mismatch then exchanges equal sizes (gloo would abort the process on unequal ones, with no
+report; NCCL would corrupt or hang), and the first group to wait compares every rank's header
+and raises :class:`CollectiveMismatchError` on every rank, naming each rank's groups, before any
+data is used. A group small enough goes this way even alone (a bucket of one; in the first
+iteration, with no order recorded yet, every one): on a rank that got out of step, its gather
+may meet a bucket of several, even the other phase's (a rank that skipped a block in forward
+starts its backward one collective early). A group too large to join, or one that cannot, keeps
+its own gather: against a coalesced one it is a size mismatch, as between two plain gathers of
+different groups and sizes, which gloo aborts on. The cost: each coalesced gather moves the fixed size
+(gloo, 2 ranks, loaded CPU: 248 us for a 256 KiB output against 175 us for 4 KiB; one gather
+saved is ~170 us), which the budget's choice must weigh. The collective's label names its groups
+(``"a+b+c"``, a long run elided to its first two and last): the hang report and the collective
+checks see one collective, named.
 
 A group gathered ahead and never used costs memory, not correctness: the root's post-forward
 and the end of backward free it, as they free an unused prefetch. The shared output is freed
@@ -31,10 +49,13 @@ reduce-scatters] in coalesce_reduce.py.
 from __future__ import annotations
 
 import os
+import weakref
+from functools import partial
 from typing import Protocol
 
 import torch
 
+from fsdp2.debug.checks import CollectiveMismatchError
 from fsdp2.engine.changes import take_up_changes
 from fsdp2.engine.collectives import all_gather
 from fsdp2.engine.param_group import (
@@ -45,11 +66,32 @@ from fsdp2.engine.param_group import (
     _plain_tensors,
 )
 
-__all__ = ["coalesce_bytes", "gather_with_following", "set_coalesce_bytes"]
+__all__ = [
+    "DEFAULT_COALESCE_BYTES",
+    "bucket_label",
+    "coalesce_bytes",
+    "gather_with_following",
+    "set_coalesce_bytes",
+]
+
+_ALIGN = 16  # each part of a send buffer starts here-aligned: a view of any dtype
+_LABEL_GROUPS = 6  # a coalesced gather's label names this many groups, then elides
+# Per root (keyed by its first group): the fixed send size, and what it was computed for.
+_fixed_size: weakref.WeakKeyDictionary[FSDPParamGroup, tuple[tuple[int, int, int], int]] = (
+    weakref.WeakKeyDictionary()
+)
+# Per root: each group's position among the root's groups, its bit in the header.
+_positions: weakref.WeakKeyDictionary[FSDPParamGroup, dict[int, int]] = weakref.WeakKeyDictionary()
+_BITS = 32  # header bits per int64 word
+
+
+# The budget unless FSDP2_COALESCE_BYTES or set_coalesce_bytes says otherwise: the one place it
+# is set (benchmarks/ sweeps it).
+DEFAULT_COALESCE_BYTES = 256 * 1024
 
 
 def _from_env() -> int:
-    raw = os.environ.get("FSDP2_COALESCE_BYTES", "0")
+    raw = os.environ.get("FSDP2_COALESCE_BYTES", str(DEFAULT_COALESCE_BYTES))
     try:
         return max(0, int(raw))
     except ValueError:
@@ -63,9 +105,18 @@ _budget = _from_env()
 
 
 def set_coalesce_bytes(budget: int) -> None:
-    """Coalesce small groups' all-gathers up to ``budget`` bytes of unsharded parameters per
-    collective, and their reduce-scatters up to ``budget`` bytes of input (0: off). Every rank
-    must set the same value, before the forward (and backward) it applies to."""
+    """Coalesce runs of small ``fully_shard`` groups' collectives: their all-gathers in one
+    all-gather each, of at most ``budget`` bytes of unsharded parameters, and their
+    reduce-scatters in one reduce-scatter each, of at most ``budget`` bytes of input (on by
+    default: ``DEFAULT_COALESCE_BYTES``, 256 KiB; ``FSDP2_COALESCE_BYTES`` in the environment sets
+    it at import). Training is bitwise the same either way at two ranks; fewer collectives for
+    models of many small blocks. Every rank must set the same value, before the forward (and
+    backward) it applies to.
+
+    Args:
+        budget: bytes one coalesced collective may carry; 0 turns coalescing off (one
+            all-gather and one reduce-scatter per group, as torch's ``fully_shard`` issues).
+    """
     global _budget
     _budget = max(0, int(budget))
 
@@ -79,6 +130,7 @@ class _Context(Protocol):
     """What a bucket is formed from (an ``IterContext``): the order and the iteration."""
 
     forward_order: list[FSDPParamGroup]
+    groups: list[FSDPParamGroup]  # every group under the root: the same list on every rank
     iteration: int
 
 
@@ -99,11 +151,6 @@ def _joinable(group: FSDPParamGroup) -> bool:
     )
 
 
-def _nbytes(group: FSDPParamGroup) -> int:
-    layout = group.layout
-    return group.shard_size * layout.plain_numel * layout.param_dtype.itemsize
-
-
 def _compatible(first: FSDPParamGroup, other: FSDPParamGroup) -> bool:
     return (
         other.info.shard_group is first.info.shard_group
@@ -112,19 +159,53 @@ def _compatible(first: FSDPParamGroup, other: FSDPParamGroup) -> bool:
     )
 
 
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _header_bytes(num_groups: int) -> int:
+    """One word for the number of groups, then a bit per group: which ones this gather serves
+    (32 to an int64 word: a 64th bit would not fit a signed word)."""
+    return _aligned(8 * (1 + -(-num_groups // _BITS)))
+
+
+def _per_rank_bytes(groups: list[FSDPParamGroup], budget: int, world: int) -> int:
+    """The one size of every rank's send buffer in a coalesced gather over ``world`` ranks: the
+    budget's share, or less where every group of the root that could join fits in less (a small
+    model's gathers carry no padding it cannot use). Made only of facts every rank shares."""
+    key = (len(groups), budget, world)
+    cached = _fixed_size.get(groups[0])
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    share = (budget // world) // _ALIGN * _ALIGN
+    header = _header_bytes(len(groups))
+    sizes = (_send_bytes(g) for g in groups)
+    size = min(share, header + sum(n for n in sizes if header + n <= share))
+    _fixed_size[groups[0]] = (key, size)
+    return size
+
+
+def _send_bytes(group: FSDPParamGroup) -> int:
+    """This rank's part of ``group``'s gather, aligned so that the next one starts aligned."""
+    return _aligned(group.layout.plain_numel * group.layout.param_dtype.itemsize)
+
+
 def gather_with_following(group: FSDPParamGroup, ctx: _Context, backward: bool) -> bool:
     """Start ``group``'s gather together with the small groups that come after it in ``order``
-    (``backward``: those before it, in reverse). Returns False, gathering nothing, when there is
-    no bucket of two or more to form: the caller then gathers ``group`` alone."""
+    (``backward``: those before it, in reverse). Returns False, gathering nothing, when ``group``
+    cannot be coalesced: the caller then gathers it alone. A bucket of one is still a coalesced
+    gather: its fixed size is what lets a mismatch be named ([Note: coalesced gathers])."""
     budget, order, iteration = _budget, ctx.forward_order, ctx.iteration
-    if not budget or not _joinable(group) or _nbytes(group) > budget:
+    if not budget or not _joinable(group):
         return False
-    index = group.order_index
-    if not (index < len(order) and order[index] is group):
+    per_rank = _per_rank_bytes(ctx.groups, budget, group.shard_size)
+    capacity = per_rank - _header_bytes(len(ctx.groups))
+    if _send_bytes(group) > capacity:
         return False
-    step = -1 if backward else 1
-    bucket, total = [group], _nbytes(group)
-    i = index + step
+    bucket, total = [group], _send_bytes(group)
+    index, step = group.order_index, -1 if backward else 1
+    # Not in the last forward's order (the first iteration, or it did not run): alone.
+    i = index + step if index < len(order) and order[index] is group else -1
     while 0 <= i < len(order):
         other = order[i]
         if not backward and other.seen_in != iteration:
@@ -135,43 +216,95 @@ def gather_with_following(group: FSDPParamGroup, ctx: _Context, backward: bool) 
             break
         if backward and not other.settings.unshard_in_backward:
             break
-        size = _nbytes(other)
-        if total + size > budget:
+        size = _send_bytes(other)
+        if total + size > capacity:
             break
         bucket.append(other)
         total += size
         i += step
-    if len(bucket) < 2:
-        return False
-    _issue(bucket)
+    _issue(bucket, ctx.groups, per_rank)
     return True
 
 
+def bucket_label(labels: list[str]) -> str:
+    """A coalesced gather's label: its groups' labels joined with "+", the middle of a long run
+    elided (the first and last name it: the groups are consecutive in the recorded order)."""
+    names = [label or "<root>" for label in labels] if len(labels) > 1 else labels
+    if len(names) <= _LABEL_GROUPS:
+        return "+".join(names)
+    return f"{names[0]}+{names[1]}+...+{names[-1]} ({len(names)} groups)"
+
+
 @_plain_tensors
-def _issue(bucket: list[FSDPParamGroup]) -> None:
-    """One all-gather of the bucket's shards, concatenated; each group gets its column slice."""
+def _issue(bucket: list[FSDPParamGroup], groups: list[FSDPParamGroup], per_rank: int) -> None:
+    """One all-gather of a fixed-size send buffer per rank: a header naming the bucket's groups,
+    then their shards; each group gets its column slice, checked against every rank's header."""
     first = bucket[0]
-    sources = []
+    world, device = first.shard_size, first.layout.device
+    header = _header_bytes(len(groups))
+    # Typed as the groups' gathers would be (what the hang report and the checks show), filled
+    # as bytes.
+    dtype = first.layout.param_dtype
+    typed = torch.zeros(per_rank // dtype.itemsize, dtype=dtype, device=device)
+    send = typed.view(torch.uint8)
+    values = [len(groups)] + [0] * (header // 8 - 1)
+    positions = _positions.get(groups[0], {})
+    if not all(id(m) in positions and groups[positions[id(m)]] is m for m in bucket):
+        # None yet, or stale (a new root over the same first group)
+        positions = _positions[groups[0]] = {id(g): i for i, g in enumerate(groups)}
+    for member in bucket:
+        i = positions[id(member)]
+        values[1 + i // _BITS] |= 1 << (i % _BITS)
+    words = torch.tensor(values, dtype=torch.int64)
+    send[:header].copy_(words.view(torch.uint8))
+    sources, offset = [], header
     for member in bucket:
         layout = member.layout
         if layout.unsharded_flat is None:
             layout.make_unsharded_views()  # the first gather: allocated at full size
         source, _ = layout.gather_source()
-        sources.append(source)
-    send = torch.cat(sources)
-    world = first.shard_size
-    out = send.new_empty(world * send.numel())
+        nbytes = source.numel() * source.element_size()
+        if offset + nbytes > per_rank:
+            raise AssertionError(f"coalesced gather '{first.label}': the shards exceed the budget")
+        send[offset : offset + nbytes].copy_(source.reshape(-1).view(torch.uint8))
+        sources.append((source, offset))
+        offset += _aligned(nbytes)
+    out = typed.new_empty(world * typed.numel())
     group = first.info.shard_group
     if group is None:
         raise AssertionError(
             f"coalesced gather '{first.label}': expected a process group, found None"
         )
-    label = "+".join(member.label for member in bucket)
-    pending = all_gather(out, send, group, label)
-    rows = out.view(world, send.numel())
-    shared = SharedOutput(out, len(bucket))
-    offset = 0
-    for member, source in zip(bucket, sources, strict=True):
-        part = rows[:, offset : offset + source.numel()]
-        offset += source.numel()
+    pending = all_gather(out, typed, group, bucket_label([m.label for m in bucket]))
+    rows = out.view(torch.uint8).view(world, per_rank)
+    check = partial(_check_headers, rows[:, :header], words, groups)
+    shared = SharedOutput(out, len(bucket), check)
+    for member, (source, start) in zip(bucket, sources, strict=True):
+        nbytes = source.numel() * source.element_size()
+        part = rows[:, start : start + nbytes].view(source.dtype)
         member.start_shared_gather(InFlightGather(pending, part, None, False, shared))
+
+
+def _check_headers(headers: torch.Tensor, own: torch.Tensor, groups: list[FSDPParamGroup]) -> None:
+    """Raise, on every rank, if the ranks gathered different groups in one coalesced gather."""
+    rows = headers.cpu().contiguous().view(torch.int64)
+    if bool((rows == own).all()):
+        return
+    lines = []
+    for rank, row in enumerate(rows.tolist()):
+        members = [
+            groups[i].label or "<root>"
+            for i in range(len(groups))
+            if row[0] == len(groups) and (row[1 + i // _BITS] >> (i % _BITS)) & 1
+        ]
+        said = "+".join(members) if members else f"an unreadable header {row}"
+        lines.append(f"  rank {rank}: `{said}`")
+    raise CollectiveMismatchError(
+        "fsdp2: the ranks gathered different groups in one coalesced all-gather:\n"
+        + "\n".join(lines)
+        + "\nThe ranks ran different fully_shard modules in this iteration (control flow that "
+        "depends on the rank or the data: MoE routing, a layer skipped for some inputs). Every "
+        "rank must run every sharded module in each forward, in the same order (give an unused "
+        "expert a zero-weighted call). The gathered data was discarded. To see each "
+        "collective on its own, turn coalescing off (FSDP2_COALESCE_BYTES=0)."
+    )

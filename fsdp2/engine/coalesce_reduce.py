@@ -16,7 +16,7 @@ backward coalesces too) and explicit prefetch targets do not turn it off: they o
 not reductions.
 
 Issuing: the members' inputs, concatenated along their columns, ``(ranks, n_1 + ... + n_k)``,
-are one reduce-scatter, labelled with the members' labels joined by "+". Row r of the
+are one reduce-scatter, labelled as a coalesced gather is (``bucket_label``). Row r of the
 concatenation is the members' rows r side by side, so this rank's chunk of the output is each
 member's own chunk, side by side: each member's ``PendingReduce`` gets its slice and finishes
 as alone (division, flags, the cut into shards). Per element the collective adds the same
@@ -44,7 +44,7 @@ from typing import Protocol
 
 import torch
 
-from fsdp2.engine.coalesce import coalesce_bytes
+from fsdp2.engine.coalesce import bucket_label, coalesce_bytes
 from fsdp2.engine.collectives import reduce_scatter
 from fsdp2.engine.grads import Reduced
 from fsdp2.engine.reduce import GradientReducer, PendingReduce, ReduceInput, reduce_op
@@ -164,7 +164,7 @@ def _issue(members: list[tuple[GradientReducer, ReduceInput]]) -> PendingBucket:
         built.inp.untyped_storage().resize_(0)  # copied: free before the collective
     out = inp.new_empty(inp.shape[1])
     first, built = members[0]
-    label = "+".join(reducer.label for reducer, _ in members)
+    label = bucket_label([reducer.label for reducer, _ in members])
     pending = reduce_scatter(
         out, inp.view(-1), first.reduce_group(), label, reduce_op(built.use_sum)
     )

@@ -74,9 +74,17 @@ class SharedOutput:
     """The output of a coalesced gather (coalesce.py), freed once every group it served is done
     with it: copied out, or resharded without."""
 
-    def __init__(self, out: torch.Tensor, users: int) -> None:
+    def __init__(self, out: torch.Tensor, users: int, check: Callable[[], None]) -> None:
         self.out = out
         self.users = users
+        self._check: Callable[[], None] | None = check  # raises if the ranks' buckets differ
+
+    def check(self) -> None:
+        """Once the gather finished, before any group copies out: did every rank send the
+        same groups? (Run once, by the first group to wait.)"""
+        check, self._check = self._check, None
+        if check is not None:
+            check()
 
     def release(self) -> None:
         self.users -= 1
@@ -236,6 +244,8 @@ class FSDPParamGroup:
             self._gather = None
             self._k_block = None
             pending.wait()
+            if shared is not None:
+                shared.check()
             # The unsharded storage is regrown only now, not when the gather was issued: a
             # prefetch holds just the gather's output until the group is needed.
             self.layout.copy_out(out, packing)

@@ -30,7 +30,18 @@ from fsdp2.engine.prefetch import prefetch_after, prefetch_before
 from fsdp2.engine.registry import StateRegistry
 from fsdp2.engine.tree import map_tensors, tensors_in
 
-__all__ = ["STATES", "FSDPState", "TrainingState", "state_of"]
+__all__ = ["STATES", "FSDPState", "TrainingState", "module_label", "state_of"]
+
+_LABEL_MODULES = 4  # a fully_shard([...]) label names this many modules, then elides
+
+
+def module_label(names: list[str]) -> str:
+    """A group's label: its modules' FQNs, comma-joined ("" for the root); a long list
+    (``fully_shard([m1, ..., m256])``) as its first and last, and how many: the modules of one
+    call are usually a run of siblings, and the label appears in every error and report."""
+    if len(names) <= _LABEL_MODULES:
+        return ",".join(names)
+    return f"{names[0]} .. {names[-1]} ({len(names)} modules)"
 
 
 def _in_backward() -> bool:
@@ -139,7 +150,7 @@ class FSDPState:
         ctx = IterContext(states)
         names = {id(m): n for top in self.modules for n, m in top.named_modules()}
         for state in states:
-            state.fqn = ",".join(names.get(id(m), "") for m in state.modules)
+            state.fqn = module_label([names.get(id(m), "") for m in state.modules])
             for group in state.groups:
                 group.label = state.fqn
                 for fsdp_param in group.fsdp_params:

@@ -44,7 +44,7 @@ from torch.utils.checkpoint import (
 
 from fsdp2.engine.changes import take_up_changes
 from fsdp2.engine.policies import cast_floats
-from fsdp2.engine.state import STATES, FSDPState
+from fsdp2.engine.state import STATES, FSDPState, module_label
 
 if TYPE_CHECKING:
     from fsdp2.engine.param import FSDPParam
@@ -91,7 +91,7 @@ def set_traced(module: nn.Module, traced: bool = True) -> None:
     for state in states:
         if traced and state.group is not None:
             state.group.reshard()  # gathered tensors of an eager step would go stale
-            state.group.label = ",".join(fqns[id(m)] for m in state.modules)  # as lazy init does
+            state.group.label = module_label([fqns[id(m)] for m in state.modules])  # as lazy init
         if traced:
             requested = state.requested_reshard_after_forward
             is_root = any(m is module for m in state.modules)

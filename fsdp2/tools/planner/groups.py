@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from fsdp2.engine.param import FSDPParam
 from fsdp2.engine.param_group import FSDPParamGroup
-from fsdp2.engine.state import STATES, FSDPState
+from fsdp2.engine.state import STATES, FSDPState, module_label
 
 __all__ = ["GroupFacts", "collect_groups"]
 
@@ -19,7 +19,7 @@ __all__ = ["GroupFacts", "collect_groups"]
 class GroupFacts:
     """One ``fully_shard`` call's group, as sizes (all bytes are per rank)."""
 
-    label: str  # the modules' FQNs, comma-joined: what the collective recorder labels it
+    label: str  # the modules' FQNs, comma-joined (module_label): what the recorder labels it
     modules: tuple[str, ...]
     is_root: bool
     num_params: int  # elements of its parameters (unsharded)
@@ -56,12 +56,14 @@ def collect_groups(model: nn.Module) -> list[GroupFacts]:
     reached = _reached_in_backward(model, states)
     facts = []
     for i, state in enumerate(states):
-        label = ",".join(names.get(id(m), "") for m in state.modules)
+        fqns = [names.get(id(m), "") for m in state.modules]
+        label = module_label(fqns)
         requested = state.requested_reshard_after_forward
         reshard = (i != 0) if requested is None else requested  # the root keeps its parameters
         for group in state.groups:
             fact = _facts(group, label, i == 0, reshard)
-            facts.append(dataclasses.replace(fact, backward_reached=i == 0 or reached[i]))
+            reached_i = i == 0 or reached[i]
+            facts.append(dataclasses.replace(fact, modules=tuple(fqns), backward_reached=reached_i))
     return facts
 
 
