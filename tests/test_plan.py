@@ -113,8 +113,10 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> int:
 def _real_step(
     model_name: str, sharder: str, mesh_shape: tuple[int, ...], prefetch: bool = False
 ) -> dict[str, Any]:
-    """One AdamW step on this rank; what it holds afterwards and what it sent. ``prefetch``:
-    the groups guess prefetches as on an accelerator (``guess_prefetch``; CPU meshes do not)."""
+    """Two AdamW steps on this rank; what it holds afterwards and what it sent in the second
+    (the plan's steady state: with coalescing on, the first step's forward has no recorded
+    order to coalesce by). ``prefetch``: the groups guess prefetches as on an accelerator
+    (``guess_prefetch``; CPU meshes do not)."""
     from fsdp2.engine.collectives import record_collectives
     from fsdp2.engine.module import state_of
 
@@ -130,10 +132,12 @@ def _real_step(
         group.settings.guess_prefetch = prefetch
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     data = "mlp" if model_name in LOCAL_MODELS else model_name
-    batch = local_batch(data, 0, 0, dist.get_rank(), dist.get_world_size(), 2)
-    with record_collectives() as records:
-        model(*batch).backward()
-    opt.step()
+    for step in range(2):
+        batch = local_batch(data, step, 0, dist.get_rank(), dist.get_world_size(), 2)
+        opt.zero_grad()
+        with record_collectives() as records:
+            model(*batch).backward()
+        opt.step()
     groups = {id(g): g for m in model.modules() if (s := state_of(m)) for g in s.groups}
     params = list(model.parameters())
     return {
