@@ -190,17 +190,19 @@ def test_reduce_scatter_buckets_follow_the_rule(model_name: str) -> None:
 
 
 def test_peaks_count_gathered_ahead_and_held_bytes() -> None:
-    """The transients of the steady-state step at 2 ranks (a block's gather output is 1,088 B,
-    its reduce-scatter input and output 1,104 + 552 B, the root's kept parameters and early
-    gradients 272 B each)."""
+    """The transients of the steady-state step at 2 gloo ranks (a block's gather output is
+    1,088 B, its reduce-scatter input and output 1,104 + 552 B, the root's kept parameters and
+    early gradients 272 B each)."""
     off, on = _plan_at("stack", 0), _plan_at("stack", SEVERAL)
-    # Forward: one block gathered, then copied out: the root's 272 beside 2 x 1,088 alone;
-    # coalesced, a bucket of three blocks' output (3,264) beside the block copied out.
+    # Forward: one block's output, then its unsharded copy, beside the root's 272. Coalesced,
+    # the bucket of blocks 3-5: its output (3,264) and, while it runs, the concatenated send
+    # buffer (1,632) and gloo's temporary the output's size.
     assert off.forward_transient_bytes == 272 + 2 * 1088
-    assert (on.forward_transient_bytes, on.forward_transient_at) == (272 + 3264 + 1088, "blocks.3")
-    # Backward, at block 7's reduction: the root's parameters and gradients (544), the held
-    # inputs and outputs of blocks 9 and 8 (2 x 1,656), the bucket 8+7+6's output (block 6 has
-    # not copied out), block 7's gradients (1,088) and its own input and output (1,656).
-    assert on.backward_transient_bytes == 544 + 2 * 1656 + 3264 + 1088 + 1656
-    assert on.backward_transient_at == "blocks.7"
+    assert on.forward_transient_bytes == 272 + 3264 + 1632 + 3264
+    assert on.forward_transient_at == "blocks.3"
+    # Backward, as blocks 5-3 are gathered: the root's parameters and gradients (544), the
+    # held reduce-scatter inputs and outputs of blocks 7 and 6 (2 x 1,656), the bucket's output,
+    # send buffer and gloo temporary.
+    assert on.backward_transient_bytes == 544 + 2 * 1656 + 3264 + 1632 + 3264
+    assert on.backward_transient_at == "blocks.5"
     assert on.peak_bytes > off.peak_bytes

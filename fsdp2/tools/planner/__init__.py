@@ -143,7 +143,7 @@ def _plan_one(
             f"with coalescing at {budget:,} B: the first step gathers each group alone in "
             "forward, having no recorded order yet"
         )
-    moves = transient(groups, prefetch=device != "cpu", budget=budget)
+    moves = transient(groups, prefetch=device != "cpu", budget=budget, gloo=device == "cpu")
     return Plan(
         world_size=shape,
         num_params=sum(g.num_params for g in groups),

@@ -73,13 +73,20 @@ class Schedule:
     reduce-scatter inputs (with their outputs) until their bucket is issued.
     """
 
-    def __init__(self, groups: list[GroupFacts], prefetch: bool, budget: int) -> None:
-        self.groups, self.prefetch, self.budget = groups, prefetch, budget
+    def __init__(
+        self, groups: list[GroupFacts], prefetch: bool, budget: int, gloo: bool = False
+    ) -> None:
+        self.groups, self.prefetch, self.budget, self.gloo = groups, prefetch, budget, gloo
         self.out: list[Collective] = []
         n = len(groups)
         self.gathered = [False] * n  # gathered or under way
         self.forward_shared = [0] * n  # bytes of the gather output alive at its copy-out
         self.backward_shared = [0] * n
+        # A coalesced gather's bytes besides its output while it runs (until its first member's
+        # wait): the concatenated send buffer, and on gloo a temporary the output's size
+        # (measured: gloo's all_gather_into_tensor of a 2 MiB output peaks 2 MiB above it).
+        self.forward_extra = [0] * n
+        self.backward_extra = [0] * n
         self.shared_after = [0] * n  # a backward bucket's output still alive after its compute
         self.stuck_after = [0] * n  # bytes alive from its backward to the end of backward
         # Reduce-scatter inputs and outputs built and not finished as its own is built
@@ -157,6 +164,10 @@ class Schedule:
             j += step
         for k in bucket:
             self.gathered[k] = True
+        if len(bucket) > 1:
+            send = sum(groups[k].gather_in_bytes for k in bucket)
+            extra = self.backward_extra if backward else self.forward_extra
+            extra[i] = send + (total if self.gloo else 0)
         if len(bucket) == 1:
             self.out.append(_gather(g, backward))
         else:
@@ -258,15 +269,19 @@ class Transient:
     # activations are at their peak
 
 
-def transient(groups: list[GroupFacts], prefetch: bool, budget: int = 0) -> Transient:
+def transient(
+    groups: list[GroupFacts], prefetch: bool, budget: int = 0, gloo: bool = False
+) -> Transient:
     """The peaks of [Note: the planner's transient model], in a steady-state step with the
-    coalescing ``budget`` ([Note: the planner's coalesced step])."""
-    step = Schedule(groups, prefetch, budget)
+    coalescing ``budget`` ([Note: the planner's coalesced step]); ``gloo``: the backend's
+    temporaries of a coalesced gather count."""
+    step = Schedule(groups, prefetch, budget, gloo)
     kept = 0  # groups that stay unsharded after their forward
     fwd, fwd_at = 0, ""
     for i, g in enumerate(groups):
         # Gathering: the collective's output (its bucket's) beside the unsharded buffer.
-        now = kept + max(step.forward_shared[i], g.unsharded_bytes) + g.unsharded_bytes
+        out = max(step.forward_shared[i], g.unsharded_bytes)
+        now = kept + out + max(g.unsharded_bytes, step.forward_extra[i])
         if now > fwd:
             fwd, fwd_at = now, g.label or "<root>"
         if not g.reshard_after_forward:
@@ -290,7 +305,9 @@ def transient(groups: list[GroupFacts], prefetch: bool, budget: int = 0) -> Tran
         ahead = nxt.unsharded_bytes if prefetch and nxt and nxt.reshard_after_forward else 0
         held = step.reduce_before[at]
         base = kept + early + ahead + held + stuck
-        gathering = base + step.backward_shared[at] + again  # its output (or its bucket's)
+        # Its output (or its bucket's) beside, while it runs, what the collective adds, then
+        # beside its unsharded buffer as it copies out
+        gathering = base + step.backward_shared[at] + max(again, step.backward_extra[at])
         shared = step.shared_after[at]  # its bucket's output, for members still to copy out
         stuck += step.stuck_after[at]
         computed = kept + early + ahead + held + stuck + shared + again + own
