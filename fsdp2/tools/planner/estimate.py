@@ -29,7 +29,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fsdp2.engine import coalesce as _engine
 from fsdp2.tools.planner.groups import GroupFacts
+
+_FIXED = hasattr(_engine, "_header_bytes")
+_ALIGN = getattr(_engine, "_ALIGN", 16)
+
+
+def _header_bytes(num_groups: int) -> int:
+    header: int = _engine._header_bytes(num_groups)  # type: ignore[attr-defined,unused-ignore]
+    return header
+
+
+def _bucket_label(labels: list[str]) -> str:
+    if hasattr(_engine, "bucket_label"):
+        label: str = _engine.bucket_label(labels)
+        return label
+    return "+".join(labels)
+
 
 __all__ = ["Collective", "Schedule", "Transient", "collectives", "transient"]
 
@@ -77,6 +94,10 @@ class Schedule:
         self, groups: list[GroupFacts], prefetch: bool, budget: int, gloo: bool = False
     ) -> None:
         self.groups, self.prefetch, self.budget, self.gloo = groups, prefetch, budget, gloo
+        # The engine's coalesced gathers have one fixed size per root (a header naming their
+        # groups, then the aligned shards), even for a bucket of one; before that design, the
+        # shards concatenated, two groups or more. (Transitional: the planner follows either.)
+        self.fixed = _FIXED
         self.out: list[Collective] = []
         n = len(groups)
         self.gathered = [False] * n  # gathered or under way
@@ -142,10 +163,10 @@ class Schedule:
     def _gather(self, i: int, backward: bool, alone: bool = False) -> None:
         """Group ``i``'s gather, with the groups that join it (forward: after it; backward:
         before it) unless ``alone`` (a prefetch)."""
-        groups, budget = self.groups, self.budget
+        groups, limit = self.groups, self._capacity(self.groups[i])
         g = groups[i]
-        bucket, total = [i], g.unsharded_bytes
-        joins = budget and not alone and g.gather_joinable and total <= budget
+        bucket, used = [i], self._size(g)
+        joins = bool(limit) and not alone and g.gather_joinable and used <= limit
         step = -1 if backward else 1
         j = i + step
         while joins and 0 <= j < len(groups):
@@ -156,27 +177,25 @@ class Schedule:
                 or other.gather_key != g.gather_key
                 or other.param_dtype != g.param_dtype
                 or (backward and not self._regathers(j))
-                or total + other.unsharded_bytes > budget
+                or used + self._size(other) > limit
             ):
                 break
             bucket.append(j)
-            total += other.unsharded_bytes
+            used += self._size(other)
             j += step
         for k in bucket:
             self.gathered[k] = True
-        if len(bucket) > 1:
-            send = sum(groups[k].gather_in_bytes for k in bucket)
+        members = [groups[k] for k in bucket]
+        if not (joins and (self.fixed or len(bucket) > 1)):
+            self.out.append(_gather(g, backward))
+            total = g.unsharded_bytes
+        else:  # one collective: fixed-size send buffers, or the shards concatenated
+            send = self._per_rank(g) if self.fixed else sum(m.gather_in_bytes for m in members)
+            total = send * g.shard_world
+            label = _bucket_label([m.label for m in members])
+            self.out.append(Collective("all_gather", label, send, total, g.shard_world))
             extra = self.backward_extra if backward else self.forward_extra
             extra[i] = send + (total if self.gloo else 0)
-        if len(bucket) == 1:
-            self.out.append(_gather(g, backward))
-        else:
-            members = [groups[k] for k in bucket]
-            send = sum(m.gather_in_bytes for m in members)
-            label = "+".join(m.label for m in members)
-            self.out.append(
-                Collective("all_gather", label, send, send * g.shard_world, g.shard_world)
-            )
         if backward:
             # The shared output lives until its last member copies out; a member backward never
             # reaches never does: it lives on to the end of backward.
@@ -188,6 +207,27 @@ class Schedule:
         else:
             for k in bucket:
                 self.forward_shared[k] = total
+
+    def _per_rank(self, g: GroupFacts) -> int:
+        """The engine's fixed send size of a coalesced gather over ``g``'s ranks: the budget's
+        share, or what the root's groups that fit in it need (``coalesce._per_rank_bytes``)."""
+        share = (self.budget // g.shard_world) // _ALIGN * _ALIGN
+        header = _header_bytes(len(self.groups))
+        sizes = (self._size(m) for m in self.groups)
+        return min(share, header + sum(n for n in sizes if header + n <= share))
+
+    def _capacity(self, g: GroupFacts) -> int:
+        """Bytes of members' sends one coalesced gather may carry (0: coalescing off)."""
+        if not self.budget or not self.fixed:
+            return self.budget
+        return self._per_rank(g) - _header_bytes(len(self.groups))
+
+    def _size(self, g: GroupFacts) -> int:
+        """What a member counts against the capacity: its aligned send (fixed-size gathers),
+        else its unsharded bytes."""
+        if self.fixed:
+            return -(-g.gather_in_bytes // _ALIGN) * _ALIGN
+        return g.unsharded_bytes
 
     def _reduce(self, i: int) -> None:
         g = self.groups[i]
