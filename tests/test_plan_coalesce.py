@@ -194,17 +194,21 @@ def test_reduce_scatter_buckets_follow_the_rule(model_name: str) -> None:
 def test_peaks_count_gathered_ahead_and_held_bytes() -> None:
     """The transients of the steady-state step at 2 gloo ranks (a block's gather output is
     1,088 B, its reduce-scatter input and output 1,104 + 552 B, the root's kept parameters and
-    early gradients 272 B each)."""
+    early gradients 272 B each; a coalesced gather's send and output bytes as the plan lists
+    them: 1,632 and 3,264 with the shards concatenated, more with a fixed send size)."""
     off, on = _plan_at("stack", 0), _plan_at("stack", SEVERAL)
+    sizes = {c.label: (c.input_nbytes, c.output_nbytes) for c in on.collectives}
     # Forward: one block's output, then its unsharded copy, beside the root's 272. Coalesced,
-    # the bucket of blocks 3-5: its output (3,264) and, while it runs, the concatenated send
-    # buffer (1,632) and gloo's temporary the output's size.
+    # the bucket of blocks 3-5: its output and, while it runs, its send buffer and gloo's
+    # temporary the output's size.
     assert off.forward_transient_bytes == 272 + 2 * 1088
-    assert on.forward_transient_bytes == 272 + 3264 + 1632 + 3264
+    send, out = sizes["blocks.3+blocks.4+blocks.5"]
+    assert on.forward_transient_bytes == 272 + out + send + out
     assert on.forward_transient_at == "blocks.3"
     # Backward, as blocks 5-3 are gathered: the root's parameters and gradients (544), the
     # held reduce-scatter inputs and outputs of blocks 7 and 6 (2 x 1,656), the bucket's output,
     # send buffer and gloo temporary.
-    assert on.backward_transient_bytes == 544 + 2 * 1656 + 3264 + 1632 + 3264
+    send, out = sizes["blocks.5+blocks.4+blocks.3"]
+    assert on.backward_transient_bytes == 544 + 2 * 1656 + out + send + out
     assert on.backward_transient_at == "blocks.5"
     assert on.peak_bytes > off.peak_bytes
