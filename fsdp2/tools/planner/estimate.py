@@ -85,9 +85,14 @@ class Schedule:
     group alone. In backward a reduce-scatter that may join is held; the next joins it while
     compatible (process group, reduce dtype, op) and the inputs fit the budget, else the held
     bucket is issued first; the rest is issued at the end of backward. A group alone over the
-    budget is issued alone. Memory: a bucket's shared output lives from its gather until its
-    last member copies out (a member backward never reaches: the end of backward), and held
-    reduce-scatter inputs (with their outputs) until their bucket is issued.
+    budget is issued alone. Where the engine gathers at one fixed size per root (a header, then
+    the aligned shards: ``coalesce._per_rank_bytes``), the members' aligned sends fill that
+    size instead, and a group that fits goes that way even alone. Memory: a bucket's shared
+    output lives from its gather until its last member copies out (a member backward never
+    reaches: the end of backward), beside its send buffer and, on gloo, a temporary the
+    output's size while it runs; held reduce-scatter inputs (with their outputs) live until
+    their bucket is issued, when they are copied into one input (counted at the reduction that
+    issues it; the one at the end of backward is taken to peak lower).
     """
 
     def __init__(
@@ -112,6 +117,7 @@ class Schedule:
         self.stuck_after = [0] * n  # bytes alive from its backward to the end of backward
         # Reduce-scatter inputs and outputs built and not finished as its own is built
         self.reduce_before = [0] * n
+        self.reduce_concat = [0] * n  # a held bucket issued at its reduction: the concatenation
         self._last_reduce = 0  # those alive after the last one: held, or issued alone
         self.held: list[int] = []
         self._forward()
@@ -233,6 +239,8 @@ class Schedule:
         g = self.groups[i]
         self.reduce_before[i] = sum(self._rs_bytes(k) for k in self.held) or self._last_reduce
         if self.held and not self._joins_held(i):
+            if len(self.held) > 1:  # issuing copies the inputs into one, for a moment
+                self.reduce_concat[i] = sum(self.groups[k].reduce_in_bytes for k in self.held)
             self._issue_held()
         if self.budget and g.reduce_joinable and g.reduce_in_bytes <= self.budget:
             self.held.append(i)
@@ -355,7 +363,7 @@ def transient(
         if not g.reshard_after_forward:
             kept -= g.unsharded_bytes
         reducing = kept + early + ahead + held + stuck + shared + own
-        reducing += g.reduce_in_bytes + g.reduce_out_bytes
+        reducing += g.reduce_in_bytes + g.reduce_out_bytes + step.reduce_concat[at]
         if not g.reshard_after_forward:
             early -= g.unsharded_grad_bytes
         if i == 0:
