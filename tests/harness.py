@@ -410,7 +410,8 @@ def launch(
 
 
 def per_group_collectives(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Run the rank function ``fn`` with all-gather coalescing off ([Note: coalesced gathers]),
+    """Run the rank function ``fn`` with coalescing off ([Note: coalesced gathers] and
+    [Note: coalesced reduce-scatters]),
     whatever FSDP2_COALESCE_BYTES says: for a test of one group's own collectives (their count,
     order or labels against torch's, which gathers each group alone)."""
 

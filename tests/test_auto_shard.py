@@ -276,11 +276,16 @@ def _train(name: str, how: str, grouped: bool = False) -> dict[str, Any]:
     }
 
 
+@per_group_collectives  # one reduce-scatter per group is counted: coalescing off
+def _train_per_group(*args: Any) -> dict[str, Any]:
+    return _train(*args)
+
+
 def check_training(name: str) -> None:
     """auto_shard's calls, parity with the reference (inside _train) and bitwise equality with
     the hand-written sharding."""
-    auto = run_on_ranks(2, _train, name, "auto", timeout=120)[0]
-    hand = run_on_ranks(2, _train, name, "hand", timeout=120)[0]
+    auto = run_on_ranks(2, _train_per_group, name, "auto", timeout=120)[0]
+    hand = run_on_ranks(2, _train_per_group, name, "hand", timeout=120)[0]
     assert auto["calls"] == ALL_CASES[name].expected
     # Same fully_shard calls in the same order: the same arithmetic, so bitwise.
     assert auto["losses"] == hand["losses"]
@@ -418,6 +423,32 @@ def test_groups_never_span_a_skipped_block_a_large_one_or_two_runs() -> None:
     assert all(isinstance(t, str) for t, _ in plan_auto_shard(Mixed(), min_group_bytes=small))
 
 
+def test_threshold_counts_gathered_bytes() -> None:
+    """Under a bf16 ``mp_policy`` a block's all-gather moves half its fp32 bytes: it counts
+    half (so a threshold groups as an fp32 one twice its size), printed as such; a policy
+    without ``param_dtype`` (reduce only) and torch's own policy class are read alike."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+
+    limit = 64 * 1024
+    bf16 = fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    half = plan_auto_shard(ManySmall(), min_group_bytes=limit, mp_policy=bf16)
+    full = plan_auto_shard(ManySmall(), min_group_bytes=limit)
+    alone = plan_auto_shard(ManySmall(), min_group_bytes=0)
+    assert [b for c in half.calls for b in c.nbytes] == [c.nbytes[0] // 2 for c in alone.calls]
+    assert [c.fqns for c in half.calls] == [
+        c.fqns for c in plan_auto_shard(ManySmall(), min_group_bytes=2 * limit).calls
+    ]
+    assert len(half.calls) < len(full.calls)
+    assert "(66 to 1,980 bytes gathered in bfloat16 each)" in str(half)
+    torch_half = plan_auto_shard(
+        ManySmall(), min_group_bytes=limit, mp_policy=TorchPolicy(param_dtype=torch.bfloat16)
+    )
+    assert [c.fqns for c in torch_half.calls] == [c.fqns for c in half.calls]
+    reduce_only = fsdp2.MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
+    same = plan_auto_shard(ManySmall(), min_group_bytes=limit, mp_policy=reduce_only)
+    assert [c.fqns for c in same.calls] == [c.fqns for c in full.calls]
+
+
 def test_plan_on_meta_groups_alike() -> None:
     with torch.device("meta"):
         meta = plan_auto_shard(ManySmall())
@@ -443,7 +474,7 @@ auto_shard: 11 fully_shard calls, bottom-up
   [layers.l261 .. layers.l292] (32)  16,434  reshard_after_forward=True
   [layers.l293 .. layers.l299] (7)    3,663  reshard_after_forward=False
   <root>                                 17  -
-grouped: 300 blocks under min_group_bytes=65,536 (132 to 3,960 bytes of parameters each) in 10 fully_shard([...]) calls, consecutive blocks of a run until a call holds min_group_bytes: below that, a collective costs the backend's latency whatever its size (min_group_bytes=None: one call per block)""",
+grouped: 300 blocks under min_group_bytes=65,536 (132 to 3,960 bytes gathered each) in 10 fully_shard([...]) calls, consecutive blocks of a run until a call holds min_group_bytes: below that, a collective costs the backend's latency whatever its size (min_group_bytes=None: one call per block)""",
         )
 
     def test_bad_min_group_bytes(self) -> None:
@@ -453,7 +484,7 @@ grouped: 300 blocks under min_group_bytes=65,536 (132 to 3,960 bytes of paramete
         )
         self.assertExpectedInline(
             raised(lambda: plan_auto_shard(ManySmall(4), min_group_bytes=1.5e6)),  # type: ignore[arg-type]
-            """TypeError: auto_shard: min_group_bytes must be an int (bytes of parameters) or None, got 1500000.0; e.g. min_group_bytes=1 << 20, or None to shard each block alone""",
+            """TypeError: auto_shard: min_group_bytes must be an int (bytes gathered) or None, got 1500000.0; e.g. min_group_bytes=1 << 20, or None to shard each block alone""",
         )
 
 
@@ -500,14 +531,16 @@ def test_many_small_layers_train_grouped_with_fewer_collectives() -> None:
         assert torch.equal(g, a)
 
 
-@per_group_collectives  # the planner predicts one gather per group (not coalescing yet)
 def _real_records() -> list[tuple[Any, ...]]:
+    """The second step's collectives (the plan's steady state: the first forward has no
+    recorded order to coalesce by)."""
     from fsdp2.engine.collectives import record_collectives
 
     torch.manual_seed(0)
     model = ManySmall()
     fsdp2.auto_shard(model)
     x, y = many_small_batch(torch.Generator().manual_seed(dist.get_rank()), 4)
+    model(x, y).backward()
     with record_collectives() as records:
         model(x, y).backward()
     return [(r.kind, r.label, r.input_nbytes, r.output_nbytes, r.world_size) for r in records]

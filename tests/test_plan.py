@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp2
 from tests.errors import raised
-from tests.harness import per_group_collectives, run_on_ranks
+from tests.harness import run_on_ranks
 from tests.models import MODELS, build_model
 from tests.parity import MODEL_SEED, local_batch
 
@@ -110,12 +110,13 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
-@per_group_collectives  # the planner predicts one gather per group (not coalescing yet)
 def _real_step(
     model_name: str, sharder: str, mesh_shape: tuple[int, ...], prefetch: bool = False
 ) -> dict[str, Any]:
-    """One AdamW step on this rank; what it holds afterwards and what it sent. ``prefetch``:
-    the groups guess prefetches as on an accelerator (``guess_prefetch``; CPU meshes do not)."""
+    """Two AdamW steps on this rank; what it holds afterwards and what it sent in the second
+    (the plan's steady state: with coalescing on, the first step's forward has no recorded
+    order to coalesce by). ``prefetch``: the groups guess prefetches as on an accelerator
+    (``guess_prefetch``; CPU meshes do not)."""
     from fsdp2.engine.collectives import record_collectives
     from fsdp2.engine.module import state_of
 
@@ -131,10 +132,12 @@ def _real_step(
         group.settings.guess_prefetch = prefetch
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     data = "mlp" if model_name in LOCAL_MODELS else model_name
-    batch = local_batch(data, 0, 0, dist.get_rank(), dist.get_world_size(), 2)
-    with record_collectives() as records:
-        model(*batch).backward()
-    opt.step()
+    for step in range(2):
+        batch = local_batch(data, step, 0, dist.get_rank(), dist.get_world_size(), 2)
+        opt.zero_grad()
+        with record_collectives() as records:
+            model(*batch).backward()
+        opt.step()
     groups = {id(g): g for m in model.modules() if (s := state_of(m)) for g in s.groups}
     params = list(model.parameters())
     return {
@@ -361,16 +364,18 @@ fsdp2.plan: world 2, 756 parameters, per rank
   optimizer state (adamw)              2.95 KiB
   buffers                              0 B
   held between steps                   5.94 KiB
-  FSDP transient, forward              2.39 KiB  at blocks.1
-  FSDP transient, backward             4.83 KiB  at blocks.1
+  FSDP transient, forward              7.50 KiB  at <root>
+  FSDP transient, backward             8.03 KiB  at blocks.2
   activations (fake-tensor run)        -
-  peak                                 10.77 KiB
-  all_gather per step                  7 x, 5.64 KiB payload
-  reduce_scatter per step              4 x, 3.02 KiB payload
-  sent (= received) per rank per step  4.33 KiB
+  peak                                 13.97 KiB
+  coalescing budget                    256.00 KiB
+  all_gather per step                  2 x (2 coalesced), 6.00 KiB payload
+  reduce_scatter per step              1 x (1 coalesced), 3.02 KiB payload
+  sent (= received) per rank per step  4.51 KiB
   group     params  unsharded  shard  reshard after fwd
   <root>        68      272 B  136 B                 no
   blocks.0     144      576 B  288 B                yes
   blocks.1     272   1.06 KiB  544 B                yes
-  blocks.2     272   1.06 KiB  544 B                yes""",
+  blocks.2     272   1.06 KiB  544 B                yes
+note: collectives and transients of a steady-state step (every step after the first) with coalescing at 262,144 B: the first step gathers each group alone in forward, having no recorded order yet""",
             )

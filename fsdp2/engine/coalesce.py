@@ -67,14 +67,16 @@ from fsdp2.engine.param_group import (
 )
 
 __all__ = [
+    "ALIGN",
     "DEFAULT_COALESCE_BYTES",
     "bucket_label",
     "coalesce_bytes",
     "gather_with_following",
+    "header_bytes",
     "set_coalesce_bytes",
 ]
 
-_ALIGN = 16  # each part of a send buffer starts here-aligned: a view of any dtype
+ALIGN = 16  # each part of a send buffer starts here-aligned: a view of any dtype
 _LABEL_GROUPS = 6  # a coalesced gather's label names this many groups, then elides
 # Per root (keyed by its first group): the fixed send size, and what it was computed for.
 _fixed_size: weakref.WeakKeyDictionary[FSDPParamGroup, tuple[tuple[int, int, int], int]] = (
@@ -160,10 +162,10 @@ def _compatible(first: FSDPParamGroup, other: FSDPParamGroup) -> bool:
 
 
 def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
+    return -(-nbytes // ALIGN) * ALIGN
 
 
-def _header_bytes(num_groups: int) -> int:
+def header_bytes(num_groups: int) -> int:
     """One word for the number of groups, then a bit per group: which ones this gather serves
     (32 to an int64 word: a 64th bit would not fit a signed word)."""
     return _aligned(8 * (1 + -(-num_groups // _BITS)))
@@ -177,8 +179,8 @@ def _per_rank_bytes(groups: list[FSDPParamGroup], budget: int, world: int) -> in
     cached = _fixed_size.get(groups[0])
     if cached is not None and cached[0] == key:
         return cached[1]
-    share = (budget // world) // _ALIGN * _ALIGN
-    header = _header_bytes(len(groups))
+    share = (budget // world) // ALIGN * ALIGN
+    header = header_bytes(len(groups))
     sizes = (_send_bytes(g) for g in groups)
     size = min(share, header + sum(n for n in sizes if header + n <= share))
     _fixed_size[groups[0]] = (key, size)
@@ -199,7 +201,7 @@ def gather_with_following(group: FSDPParamGroup, ctx: _Context, backward: bool) 
     if not budget or not _joinable(group):
         return False
     per_rank = _per_rank_bytes(ctx.groups, budget, group.shard_size)
-    capacity = per_rank - _header_bytes(len(ctx.groups))
+    capacity = per_rank - header_bytes(len(ctx.groups))
     if _send_bytes(group) > capacity:
         return False
     bucket, total = [group], _send_bytes(group)
@@ -241,7 +243,7 @@ def _issue(bucket: list[FSDPParamGroup], groups: list[FSDPParamGroup], per_rank:
     then their shards; each group gets its column slice, checked against every rank's header."""
     first = bucket[0]
     world, device = first.shard_size, first.layout.device
-    header = _header_bytes(len(groups))
+    header = header_bytes(len(groups))
     # Typed as the groups' gathers would be (what the hang report and the checks show), filled
     # as bytes.
     dtype = first.layout.param_dtype

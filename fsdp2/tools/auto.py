@@ -18,9 +18,12 @@ A block that shares a parameter (tied weights) or a submodule with anything outs
 sharded on its own: its parameters stay with the nearest sharded ancestor, which holds every use,
 so a tied parameter always lives in exactly one group.
 
-Small blocks are grouped (``min_group_bytes``, default 256 KiB of parameters): each group costs an
+Small blocks are grouped (``min_group_bytes``, default 256 KiB gathered): each group costs an
 all-gather and a reduce-scatter per step whose time, below a few hundred KiB, is the backend's
-latency (~0.2-0.5 ms on gloo, tens of us on NCCL) whatever the size. So a block smaller than
+latency (~0.2-0.5 ms on gloo, tens of us on NCCL) whatever the size. A block's size is what its
+all-gather moves: its parameters in the ``mp_policy``'s ``param_dtype`` when the policy passed
+sets one (floating-point parameters only, as ``fully_shard`` casts), else in their own dtype; so
+bf16 gathers count half the bytes of the fp32 parameters stored. So a block smaller than
 ``min_group_bytes`` shares one ``fully_shard([...])`` call with the blocks after it in its run
 (consecutive siblings of one class, none skipped between them), until the call holds at least
 ``min_group_bytes``; a block that large is sharded alone, as without grouping. A list group is
@@ -35,6 +38,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
@@ -63,7 +67,8 @@ class ShardCall:
     numel: int
     """Parameter elements this call claims: its group's unsharded size."""
     nbytes: tuple[int, ...]
-    """Parameter bytes each module of ``fqns`` brings to the call (what grouping compares)."""
+    """Bytes each module of ``fqns`` brings to the call's all-gather (what grouping compares):
+    in the ``mp_policy``'s ``param_dtype`` where it sets one."""
 
     @property
     def target(self) -> str | list[str]:
@@ -88,7 +93,7 @@ class AutoShardResult:
     skipped: tuple[tuple[str, str], ...] = field(default=())
     """(fqn, why) for each block that was not sharded on its own."""
     min_group_bytes: int | None = None
-    """The grouping threshold used (``None``: grouping was off)."""
+    """The grouping threshold used (``None``: grouping was off), in bytes gathered."""
 
     def __iter__(self) -> Iterator[tuple[str | list[str], dict[str, Any]]]:
         """(target, kwargs) per call, the target an fqn or, for a group, a list of fqns:
@@ -132,9 +137,11 @@ class AutoShardResult:
             return []
         sizes = [b for c in groups for b in c.nbytes]
         plural = "s" if len(groups) > 1 else ""
+        dtype = _gather_dtype(self.common)
+        unit = "bytes gathered" + (f" in {str(dtype).removeprefix('torch.')}" if dtype else "")
         return [
             f"grouped: {len(sizes)} blocks under min_group_bytes={self.min_group_bytes:,} "
-            f"({min(sizes):,} to {max(sizes):,} bytes of parameters each) in {len(groups)} "
+            f"({min(sizes):,} to {max(sizes):,} {unit} each) in {len(groups)} "
             f"fully_shard([...]) call{plural}, consecutive blocks of a run until a call holds "
             "min_group_bytes: below that, a collective costs the backend's latency whatever its "
             "size (min_group_bytes=None: one call per block)"
@@ -162,7 +169,8 @@ def auto_shard(
         block_types: classes (or class names) whose instances are the blocks; by default the
             largest runs of same-class children of a ``ModuleList``/``Sequential``/
             ``ModuleDict`` (see the module docstring).
-        min_group_bytes: blocks with fewer bytes of parameters than this share one
+        min_group_bytes: blocks whose all-gather moves fewer bytes than this (their parameters
+            in ``mp_policy.param_dtype`` when ``fully_shard_kwargs`` sets one) share one
             ``fully_shard([...])`` call with the next blocks of their run until the call holds
             this many (default 256 KiB: below it a collective costs its latency, see the
             module docstring); blocks this large are sharded alone. ``None`` (or 0): one call
@@ -203,7 +211,8 @@ def plan_auto_shard(
     else:
         candidates = _blocks_of_types(model, _check_block_types(block_types))
     blocks, skipped = _untied(model, candidates)
-    targets = [*_grouped(model, blocks, min_group_bytes or 0), ("",)]
+    dtype = _gather_dtype(common)
+    targets = [*_grouped(model, blocks, min_group_bytes or 0, dtype), ("",)]
     calls_kwargs = [dict(common) for _ in targets]
     if "reshard_after_forward" not in common and len(targets) > 1:
         for kwargs in calls_kwargs[:-1]:
@@ -213,7 +222,7 @@ def plan_auto_shard(
     claims = _claimed(model, [fqn for target in targets for fqn in target])
     calls = []
     for fqns, kwargs in zip(targets, calls_kwargs, strict=True):
-        nbytes = tuple(_nbytes(claims[fqn]) for fqn in fqns)
+        nbytes = tuple(_nbytes(claims[fqn], dtype) for fqn in fqns)
         calls.append(
             ShardCall(fqns, kwargs, sum(p.numel() for f in fqns for p in claims[f]), nbytes)
         )
@@ -252,7 +261,7 @@ def _check_min_group_bytes(min_group_bytes: object) -> None:
         return
     if not isinstance(min_group_bytes, int) or isinstance(min_group_bytes, bool):
         raise TypeError(
-            "auto_shard: min_group_bytes must be an int (bytes of parameters) or None, got "
+            "auto_shard: min_group_bytes must be an int (bytes gathered) or None, got "
             f"{min_group_bytes!r}; e.g. min_group_bytes=1 << 20, or None to shard each block "
             "alone"
         )
@@ -397,8 +406,20 @@ def _claimed(model: nn.Module, fqns: list[str]) -> dict[str, list[nn.Parameter]]
     return out
 
 
-def _nbytes(params: list[nn.Parameter]) -> int:
-    return sum(p.numel() * p.element_size() for p in params)
+def _gather_dtype(kwargs: dict[str, Any]) -> torch.dtype | None:
+    """The dtype ``fully_shard`` gathers floating-point parameters in: the ``mp_policy``'s
+    ``param_dtype`` (fsdp2's or torch's policy), None when it sets none."""
+    dtype = getattr(kwargs.get("mp_policy"), "param_dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def _nbytes(params: list[nn.Parameter], gather_dtype: torch.dtype | None) -> int:
+    """Bytes these parameters' all-gather moves (floating ones cast to ``gather_dtype``)."""
+    return sum(
+        p.numel()
+        * (gather_dtype.itemsize if gather_dtype and p.is_floating_point() else p.element_size())
+        for p in params
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -419,8 +440,10 @@ def _run_position(model: nn.Module, fqn: str) -> tuple[str, type, int]:
     return parent, type(module), siblings.index(name)
 
 
-def _grouped(model: nn.Module, blocks: list[str], min_group_bytes: int) -> list[tuple[str, ...]]:
-    """``blocks`` (in call order) as the modules of each call: a block under
+def _grouped(
+    model: nn.Module, blocks: list[str], min_group_bytes: int, gather_dtype: torch.dtype | None
+) -> list[tuple[str, ...]]:
+    """``blocks`` (in call order) as the modules of each call: a block gathering under
     ``min_group_bytes`` joins the open group of the block just before it in its run, until the
     group holds ``min_group_bytes``; a block that large is alone."""
     claims = _claimed(model, blocks)
@@ -428,7 +451,7 @@ def _grouped(model: nn.Module, blocks: list[str], min_group_bytes: int) -> list[
     open_bytes = 0  # bytes of out[-1] while it is open to the next block; 0: closed
     previous: tuple[str, type, int] | None = None
     for fqn in blocks:
-        nbytes = _nbytes(claims[fqn])
+        nbytes = _nbytes(claims[fqn], gather_dtype)
         position = _run_position(model, fqn) if min_group_bytes else None
         follows = (
             position is not None

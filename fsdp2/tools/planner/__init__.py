@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from fsdp2.engine.coalesce import coalesce_bytes
 from fsdp2.tools.auto import auto_shard
 from fsdp2.tools.planner.activations import activation_bytes
 from fsdp2.tools.planner.estimate import collectives, transient
@@ -135,7 +136,14 @@ def _plan_one(
             "activations: one forward+backward under FakeTensorMode on the batch given (per "
             "rank); misses kernels' workspaces and allocator fragmentation"
         )
-    moves = transient(groups, prefetch=device != "cpu")
+    budget = coalesce_bytes()  # the switch as it stands now: the run will read it too
+    if budget:
+        notes.append(
+            f"collectives and transients of a steady-state step (every step after the first) "
+            f"with coalescing at {budget:,} B: the first step gathers each group alone in "
+            "forward, having no recorded order yet"
+        )
+    moves = transient(groups, prefetch=device != "cpu", budget=budget, gloo=device == "cpu")
     return Plan(
         world_size=shape,
         num_params=sum(g.num_params for g in groups),
@@ -152,7 +160,8 @@ def _plan_one(
         backward_transient_at=moves.backward_at,
         backward_start_bytes=moves.backward_start_bytes,
         activation_bytes=act,
-        collectives=collectives(groups, prefetch=device != "cpu"),
+        collectives=collectives(groups, prefetch=device != "cpu", budget=budget),
+        coalesce_bytes=budget,
         groups=groups,
         notes=notes,
         _replan=functools.partial(

@@ -29,9 +29,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fsdp2.engine.coalesce import ALIGN, bucket_label, header_bytes
 from fsdp2.tools.planner.groups import GroupFacts
 
-__all__ = ["Collective", "Transient", "collectives", "transient"]
+__all__ = ["Collective", "Schedule", "Transient", "collectives", "transient"]
 
 
 @dataclass(frozen=True)
@@ -45,42 +46,225 @@ class Collective:
     world_size: int
 
 
-def collectives(groups: list[GroupFacts], prefetch: bool) -> list[Collective]:
-    """The collectives of one forward + backward, in issue order. With ``prefetch``, a group's
-    backward gather is issued by the group after it, as that one's backward begins (before its
-    reduce-scatter); the root's pre-backward issues the last group's."""
-    out = [_gather(g, backward=False) for g in groups if g.shard_world > 1]
-    gathered = gathered_in_backward(groups, prefetch)
-    needs = [
-        g.shard_world > 1 and g.reshard_after_forward and gathered[i] for i, g in enumerate(groups)
-    ]
-    issued: set[int] = set()
-    for i in reversed(range(len(groups))):
+def collectives(groups: list[GroupFacts], prefetch: bool, budget: int = 0) -> list[Collective]:
+    """The collectives of one forward + backward, in issue order, of a steady-state step (any
+    step after the first: the first has no recorded order to coalesce by). With ``prefetch``,
+    a group's backward gather is issued by the group after it, as that one's backward begins
+    (before its reduce-scatter); the root's pre-backward issues the last group's. With a
+    coalescing ``budget``, runs of small groups share one collective ([Note: the planner's
+    coalesced step])."""
+    return Schedule(groups, prefetch, budget).out
+
+
+class Schedule:
+    """fsdp2's step replayed over the groups: which group's hook issues which collective.
+
+    [Note: the planner's coalesced step]
+    With a budget (``fsdp2.engine.coalesce.coalesce_bytes()``, read when planning) the planner
+    applies the engine's coalescing rules to a steady-state step: a group gathered by its own
+    hook (not already gathered or prefetched) takes along the groups after it in forward order
+    (in backward: before it) while each is joinable, compatible (same process group and gather
+    dtype), still sharded and the gather outputs stay within the budget; backward takes only
+    groups that resharded after forward and gather in backward. A prefetch gathers its one
+    group alone. In backward a reduce-scatter that may join is held; the next joins it while
+    compatible (process group, reduce dtype, op) and the inputs fit the budget, else the held
+    bucket is issued first; the rest is issued at the end of backward. A group alone over the
+    budget is issued alone. The engine gathers at one fixed size per root (a header, then the
+    aligned shards: ``coalesce._per_rank_bytes``): the members' aligned sends fill that size,
+    and a group that fits goes that way even alone. Memory: a bucket's shared
+    output lives from its gather until its last member copies out (a member backward never
+    reaches: the end of backward), beside its send buffer and, on gloo, a temporary the
+    output's size while it runs; held reduce-scatter inputs (with their outputs) live until
+    their bucket is issued, when they are copied into one input (counted at the reduction that
+    issues it; the one at the end of backward is taken to peak lower).
+    """
+
+    def __init__(
+        self, groups: list[GroupFacts], prefetch: bool, budget: int, gloo: bool = False
+    ) -> None:
+        self.groups, self.prefetch, self.budget, self.gloo = groups, prefetch, budget, gloo
+        self.out: list[Collective] = []
+        n = len(groups)
+        self.gathered = [False] * n  # gathered or under way
+        self.forward_shared = [0] * n  # bytes of the gather output alive at its copy-out
+        self.backward_shared = [0] * n
+        # A coalesced gather's bytes besides its output while it runs (until its first member's
+        # wait): the concatenated send buffer, and on gloo a temporary the output's size
+        # (measured: gloo's all_gather_into_tensor of a 2 MiB output peaks 2 MiB above it).
+        self.forward_extra = [0] * n
+        self.backward_extra = [0] * n
+        self.shared_after = [0] * n  # a backward bucket's output still alive after its compute
+        self.stuck_after = [0] * n  # bytes alive from its backward to the end of backward
+        # Reduce-scatter inputs and outputs built and not finished as its own is built
+        self.reduce_before = [0] * n
+        self.reduce_concat = [0] * n  # a held bucket issued at its reduction: the concatenation
+        self._last_reduce = 0  # those alive after the last one: held, or issued alone
+        self.held: list[int] = []
+        self._forward()
+        self._backward()
+
+    def _forward(self) -> None:
+        groups = self.groups
+        for i, g in enumerate(groups):
+            if g.shard_world > 1 and not self.gathered[i]:
+                self._gather(i, backward=False)
+            nxt = i + 1
+            if self.prefetch and nxt < len(groups) and not self.gathered[nxt]:
+                if groups[nxt].shard_world > 1:
+                    self._gather(nxt, backward=False, alone=True)
+        for i, g in enumerate(groups):  # after forward: resharded, or kept gathered
+            self.gathered[i] = not g.reshard_after_forward and g.shard_world > 1
+
+    def _backward(self) -> None:
+        groups = self.groups
+        gathered = gathered_in_backward(groups, self.prefetch)
+        last = len(groups) - 1
+        if self.prefetch and last > 0 and self._regathers(last) and not groups[last].is_root:
+            self._gather(last, backward=True, alone=True)  # the root's pre-backward prefetch
+        for i in reversed(range(len(groups))):
+            g = groups[i]
+            if gathered[i] and self._regathers(i) and not self.gathered[i]:
+                self._gather(i, backward=True)
+            before = i - 1
+            if self.prefetch and g.backward_reached and not g.is_root and before >= 0:
+                prev = groups[before]
+                if gathered[before] and self._regathers(before) and not prev.is_root:
+                    if not self.gathered[before]:
+                        self._gather(before, backward=True, alone=True)
+            if g.num_trainable and g.shard_world > 1:
+                self._reduce(i)
+            elif not self.held:
+                self._last_reduce = 0  # the one before it was finished as it ran
+            if g.num_trainable and g.replicate_world:  # HSDP all-reduces even over one replica
+                nbytes = g.reduce_out_bytes
+                self.out.append(
+                    Collective("all_reduce", g.label, nbytes, nbytes, g.replicate_world)
+                )
+        self._issue_held()
+
+    def _regathers(self, i: int) -> bool:
+        g = self.groups[i]
+        return g.shard_world > 1 and g.reshard_after_forward and g.unshard_in_backward
+
+    def _gather(self, i: int, backward: bool, alone: bool = False) -> None:
+        """Group ``i``'s gather, with the groups that join it (forward: after it; backward:
+        before it) unless ``alone`` (a prefetch)."""
+        groups, limit = self.groups, self._capacity(self.groups[i])
         g = groups[i]
-        if needs[i] and i not in issued:
-            out.append(_gather(g, backward=True))
-        before = i - 1
-        if prefetch and g.backward_reached and not g.is_root and before >= 0 and needs[before]:
-            if not groups[before].is_root:
-                out.append(_gather(groups[before], backward=True))
-                issued.add(before)
-        if g.num_trainable and g.shard_world > 1:
-            out.append(
+        bucket, used = [i], self._size(g)
+        joins = bool(limit) and not alone and g.gather_joinable and used <= limit
+        step = -1 if backward else 1
+        j = i + step
+        while joins and 0 <= j < len(groups):
+            other = groups[j]
+            if (
+                self.gathered[j]
+                or not other.gather_joinable
+                or other.gather_key != g.gather_key
+                or other.param_dtype != g.param_dtype
+                or (backward and not self._regathers(j))
+                or used + self._size(other) > limit
+            ):
+                break
+            bucket.append(j)
+            used += self._size(other)
+            j += step
+        for k in bucket:
+            self.gathered[k] = True
+        members = [groups[k] for k in bucket]
+        if not joins:
+            self.out.append(_gather(g, backward))
+            total = g.unsharded_bytes
+        else:  # one collective of fixed-size send buffers, even for a bucket of one
+            send = self._per_rank(g)
+            total = send * g.shard_world
+            label = bucket_label([m.label for m in members])
+            self.out.append(Collective("all_gather", label, send, total, g.shard_world))
+            extra = self.backward_extra if backward else self.forward_extra
+            extra[i] = send + (total if self.gloo else 0)
+        if backward:
+            # The shared output lives until its last member copies out; a member backward never
+            # reaches never does: it lives on to the end of backward.
+            stuck = len(bucket) > 1 and any(not groups[k].backward_reached for k in bucket)
+            for k in bucket:
+                self.backward_shared[k] = total if k == i or not stuck else 0
+                self.shared_after[k] = total if k != bucket[-1] and not stuck else 0
+            self.stuck_after[i] += total if stuck else 0
+        else:
+            for k in bucket:
+                self.forward_shared[k] = total
+
+    def _per_rank(self, g: GroupFacts) -> int:
+        """The engine's fixed send size of a coalesced gather over ``g``'s ranks: the budget's
+        share, or what the root's groups that fit in it need (``coalesce._per_rank_bytes``)."""
+        share = (self.budget // g.shard_world) // ALIGN * ALIGN
+        header = header_bytes(len(self.groups))
+        sizes = (self._size(m) for m in self.groups)
+        return min(share, header + sum(n for n in sizes if header + n <= share))
+
+    def _capacity(self, g: GroupFacts) -> int:
+        """Bytes of members' sends one coalesced gather may carry (0: coalescing off)."""
+        if not self.budget:
+            return 0
+        return self._per_rank(g) - header_bytes(len(self.groups))
+
+    def _size(self, g: GroupFacts) -> int:
+        """What a member counts against the capacity: its aligned send."""
+        return -(-g.gather_in_bytes // ALIGN) * ALIGN
+
+    def _reduce(self, i: int) -> None:
+        g = self.groups[i]
+        self.reduce_before[i] = sum(self._rs_bytes(k) for k in self.held) or self._last_reduce
+        if self.held and not self._joins_held(i):
+            if len(self.held) > 1:  # issuing copies the inputs into one, for a moment
+                self.reduce_concat[i] = sum(self.groups[k].reduce_in_bytes for k in self.held)
+            self._issue_held()
+        if self.budget and g.reduce_joinable and g.reduce_in_bytes <= self.budget:
+            self.held.append(i)
+            self._last_reduce = sum(self._rs_bytes(k) for k in self.held)
+        else:
+            self.out.append(
                 Collective(
                     "reduce_scatter", g.label, g.reduce_in_bytes, g.reduce_out_bytes, g.shard_world
                 )
             )
-        if g.num_trainable and g.replicate_world:  # HSDP all-reduces even over one replica
-            nbytes = g.reduce_out_bytes
-            out.append(Collective("all_reduce", g.label, nbytes, nbytes, g.replicate_world))
-    return out
+            self._last_reduce = self._rs_bytes(i)
+
+    def _rs_bytes(self, i: int) -> int:
+        return self.groups[i].reduce_in_bytes + self.groups[i].reduce_out_bytes
+
+    def _joins_held(self, i: int) -> bool:
+        g, first = self.groups[i], self.groups[self.held[0]]
+        total = sum(self.groups[k].reduce_in_bytes for k in self.held) + g.reduce_in_bytes
+        return (
+            g.reduce_joinable
+            and g.reduce_key == first.reduce_key
+            and g.reduce_dtype == first.reduce_dtype
+            and g.reduce_op == first.reduce_op
+            and total <= self.budget
+        )
+
+    def _issue_held(self) -> None:
+        if not self.held:
+            return
+        members = [self.groups[k] for k in self.held]
+        self.held = []
+        self.out.append(
+            Collective(
+                "reduce_scatter",
+                bucket_label([m.label for m in members]),
+                sum(m.reduce_in_bytes for m in members),
+                sum(m.reduce_out_bytes for m in members),
+                members[0].shard_world,
+            )
+        )
 
 
 def gathered_in_backward(groups: list[GroupFacts], prefetch: bool) -> list[bool]:
     """Per group (pre-order): whether backward gathers it (if it resharded after forward):
     reached by backward, or prefetched by the next group in forward order, which (as in
     ``FSDPState._prefetch_before``) the root's own groups never do; the root prefetches the
-    last group."""
+    last group. (Coalescing may gather a group backward never reaches as well: ``Schedule``.)"""
     out = []
     for i, g in enumerate(groups):
         nxt = groups[i + 1] if i + 1 < len(groups) else None
@@ -110,39 +294,53 @@ class Transient:
     # activations are at their peak
 
 
-def transient(groups: list[GroupFacts], prefetch: bool) -> Transient:
-    """The peaks of [Note: the planner's transient model]."""
+def transient(
+    groups: list[GroupFacts], prefetch: bool, budget: int = 0, gloo: bool = False
+) -> Transient:
+    """The peaks of [Note: the planner's transient model], in a steady-state step with the
+    coalescing ``budget`` ([Note: the planner's coalesced step]); ``gloo``: the backend's
+    temporaries of a coalesced gather count."""
+    step = Schedule(groups, prefetch, budget, gloo)
     kept = 0  # groups that stay unsharded after their forward
     fwd, fwd_at = 0, ""
-    for g in groups:
-        # Gathering: the collective's output beside the unsharded buffer (alias: nothing).
-        now = kept + 2 * g.unsharded_bytes
+    for i, g in enumerate(groups):
+        # Gathering: the collective's output (its bucket's) beside the unsharded buffer.
+        out = max(step.forward_shared[i], g.unsharded_bytes)
+        now = kept + out + max(g.unsharded_bytes, step.forward_extra[i])
         if now > fwd:
             fwd, fwd_at = now, g.label or "<root>"
         if not g.reshard_after_forward:
             kept += g.unsharded_bytes
     bwd, bwd_at, start = 0, "", 0
     order = list(reversed(groups))
-    in_flight = 0  # the previous group's reduce-scatter input and output, not finished yet
     # A kept group (the root) may get gradients early (the head's) and is reduced last: count
     # its unsharded gradients as alive through all of backward.
     early = sum(g.unsharded_grad_bytes for g in groups if not g.reshard_after_forward)
     gathered = list(reversed(gathered_in_backward(groups, prefetch)))
+    stuck = 0  # coalesced outputs a member backward never reaches keeps to its end
     for i, g in enumerate(order):
+        at = len(groups) - 1 - i  # its index in ``groups`` and ``step``
         if not gathered[i]:
+            stuck += step.stuck_after[at]
             continue  # backward never runs it and nothing prefetches it
         own = g.unsharded_grad_bytes if g.reshard_after_forward else 0
         again = g.unsharded_bytes if g.reshard_after_forward else 0
         nxt = order[i + 1] if i + 1 < len(order) else None
         # The prefetched gather output of the group before it in forward order.
         ahead = nxt.unsharded_bytes if prefetch and nxt and nxt.reshard_after_forward else 0
-        base = kept + early + ahead + in_flight
-        gathering = base + 2 * again
-        computed = base + again + own
+        held = step.reduce_before[at]
+        base = kept + early + ahead + held + stuck
+        # Its output (or its bucket's) beside, while it runs, what the collective adds, then
+        # beside its unsharded buffer as it copies out
+        gathering = base + step.backward_shared[at] + max(again, step.backward_extra[at])
+        shared = step.shared_after[at]  # its bucket's output, for members still to copy out
+        stuck += step.stuck_after[at]
+        computed = kept + early + ahead + held + stuck + shared + again + own
         # Resharded first (a kept group leaves ``kept`` now), then copied into the input.
         if not g.reshard_after_forward:
             kept -= g.unsharded_bytes
-        reducing = kept + early + ahead + in_flight + own + g.reduce_in_bytes + g.reduce_out_bytes
+        reducing = kept + early + ahead + held + stuck + shared + own
+        reducing += g.reduce_in_bytes + g.reduce_out_bytes + step.reduce_concat[at]
         if not g.reshard_after_forward:
             early -= g.unsharded_grad_bytes
         if i == 0:
@@ -150,5 +348,4 @@ def transient(groups: list[GroupFacts], prefetch: bool) -> Transient:
         now = max(gathering, computed, reducing)
         if now > bwd:
             bwd, bwd_at = now, g.label or "<root>"
-        in_flight = g.reduce_in_bytes + g.reduce_out_bytes
     return Transient(fwd, fwd_at, bwd, bwd_at, start)

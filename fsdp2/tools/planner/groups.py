@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch.nn as nn
 
@@ -47,6 +48,15 @@ class GroupFacts:
     # before it (pre-order, taken as forward's order) has some, so gradients flow through it.
     # A frozen first block is not reached: no pre-backward, no gather in backward.
     backward_reached: bool = True
+    # What coalescing ([Note: coalesced gathers], RULES of issue 24) asks of a group, besides
+    # its place and state in the step: may its gather / its reduce-scatter join a bucket, and
+    # with whom (groups with equal keys share a process group; the reduce op is "sum"/"avg").
+    gather_joinable: bool = False
+    reduce_joinable: bool = False
+    gather_key: int = 0
+    reduce_key: int = 0
+    reduce_op: str = "avg"
+    unshard_in_backward: bool = True
 
 
 def collect_groups(model: nn.Module) -> list[GroupFacts]:
@@ -54,6 +64,7 @@ def collect_groups(model: nn.Module) -> list[GroupFacts]:
     names = {id(m): n for n, m in model.named_modules()}
     states = STATES.under(model)
     reached = _reached_in_backward(model, states)
+    keys: dict[int, int] = {}  # process groups, numbered as first met (ids don't survive a fork)
     facts = []
     for i, state in enumerate(states):
         fqns = [names.get(id(m), "") for m in state.modules]
@@ -63,8 +74,43 @@ def collect_groups(model: nn.Module) -> list[GroupFacts]:
         for group in state.groups:
             fact = _facts(group, label, i == 0, reshard)
             reached_i = i == 0 or reached[i]
-            facts.append(dataclasses.replace(fact, modules=tuple(fqns), backward_reached=reached_i))
+            facts.append(
+                dataclasses.replace(
+                    fact,
+                    modules=tuple(fqns),
+                    backward_reached=reached_i,
+                    **_coalescing(group, keys),
+                )
+            )
     return facts
+
+
+def _coalescing(group: FSDPParamGroup, keys: dict[int, int]) -> dict[str, Any]:
+    """The static half of the engine's joinability (coalesce.py ``_joinable``; the rest, a
+    group's state in the step, the planner's schedule follows): the same conditions, read off
+    the settings, since a group planned on meta is never joinable as it stands."""
+    settings, layout = group.settings, group.layout
+    shard_group = group.info.shard_group
+    reduce_group = settings.reduce_scatter_group or shard_group
+    use_sum = settings.divide_factor is not None or settings.force_sum_reduction
+    return {
+        "gather_joinable": group.shard_size > 1
+        and not layout.alias
+        and not layout.ext_params
+        and layout.offload is None
+        and settings.custom_all_gather is None
+        and settings.k_group is None,
+        "reduce_joinable": group.shard_size > 1
+        and group.info.replicate_group is None
+        and settings.custom_reduce_scatter is None
+        and settings.all_reduce_hook is None
+        and settings.requires_gradient_sync
+        and settings.offload is None,
+        "gather_key": keys.setdefault(id(shard_group), len(keys)),
+        "reduce_key": keys.setdefault(id(reduce_group), len(keys)),
+        "reduce_op": "sum" if use_sum else "avg",
+        "unshard_in_backward": settings.unshard_in_backward,
+    }
 
 
 def _reached_in_backward(model: nn.Module, states: list[FSDPState]) -> list[bool]:

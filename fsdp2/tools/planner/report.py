@@ -48,6 +48,10 @@ class Plan:
     collectives: list[Collective]
     groups: list[GroupFacts]
     notes: list[str] = field(default_factory=list)
+    # The coalescing budget planned with (0: off). The collectives are those of a steady-state
+    # step: every step after the first (which cannot coalesce its forward gathers).
+    coalesce_bytes: int = 0
+    step: str = "steady state (every step after the first)"
     _replan: Callable[[int | Sequence[int]], Plan] | None = field(default=None, repr=False)
 
     @property
@@ -122,10 +126,14 @@ class Plan:
             ("activations (fake-tensor run)", act),
             ("peak", _mib(self.peak_bytes)),
         ]
+        if self.coalesce_bytes:
+            rows.append(("coalescing budget", _mib(self.coalesce_bytes)))
         for kind in KINDS:
             if counts[kind]:
+                merged = sum(c.kind == kind and "+" in c.label for c in self.collectives)
+                also = f" ({merged} coalesced)" if merged else ""
                 rows.append(
-                    (f"{kind} per step", f"{counts[kind]} x, {_mib(payload[kind])} payload")
+                    (f"{kind} per step", f"{counts[kind]} x{also}, {_mib(payload[kind])} payload")
                 )
         rows.append(("sent (= received) per rank per step", _mib(self.wire_bytes)))
         return rows
