@@ -213,7 +213,8 @@ if rank == 0:
             f"{100 * abs(ratios['fsdp2#2'] - 1):.1f}% (within rounds)"
         )
     print(
-        "compiled graphs (label: fsdp2 all-gathers / reduce-scatters, before -> after post-grad):"
+        "compiled graphs (label: fsdp2 all-gathers / reduce-scatters, before -> after post-grad;"
+        " a graph found in inductor's cache is not listed):"
     )
     for label, before, after in graph_counts:
         print(

@@ -78,8 +78,11 @@ def _bucketed(name: str, options: dict[str, Any]) -> dict[str, Any]:
     model = build_model(name, MODEL_SEED)
     _shard(model, name, None, "")
     set_traced(model)
+    # Compile for real: a cache hit (inductor's FX graph cache, AOTAutograd's) skips the passes.
+    options = {**options, "fx_graph_cache": False}
     compiled = torch.compile(model, fullgraph=True, options=options)
-    with _post_grad_counts() as counts:
+    no_cache = torch._functorch.config.patch(enable_autograd_cache=False)
+    with no_cache, _post_grad_counts() as counts:
         report = _train_side_by_side(
             name, _Trainer(model, name, compiled), tol=SGD_FP32.rtol, traced=True
         )
