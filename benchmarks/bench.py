@@ -43,6 +43,7 @@ from workloads import DEFAULT_SIZES, MODELS, blocks_of, build_model, make_batch,
 try:
     import fsdp2
     from fsdp2 import fully_shard as fsdp2_fully_shard
+    from fsdp2.engine.coalesce import coalesce_bytes
 except Exception as e:  # fsdp2 may be mid-rewrite: benchmark the others and say why
     fsdp2_fully_shard, fsdp2_missing = None, f"{type(e).__name__}: {e}"
 
@@ -70,6 +71,11 @@ parser.add_argument(
     "--collective-checks", action="store_true", help="also time fsdp2 with collective checks on"
 )
 parser.add_argument(
+    "--coalesce-off",
+    action="store_true",
+    help="also time `fsdp2-off`: fsdp2 with coalescing off (set_coalesce_bytes(0)) for its steps",
+)
+parser.add_argument(
     "--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo; cuda: NCCL (%(default)s)"
 )
 args = parser.parse_args()
@@ -79,7 +85,9 @@ size = replace(DEFAULT_SIZES[args.model], **overrides)
 names = args.contenders.split(",")
 if args.collective_checks and "fsdp2" in names:
     names.insert(names.index("fsdp2") + 1, "fsdp2+checks")
-if unknown := set(names) - {"fsdp2", "fsdp2+checks", "torch", "ddp", "single"}:
+if args.coalesce_off and "fsdp2" in names:
+    names.insert(names.index("fsdp2") + 1, "fsdp2-off")
+if unknown := set(names) - {"fsdp2", "fsdp2+checks", "fsdp2-off", "torch", "ddp", "single"}:
     raise ValueError(f"--contenders: unknown {sorted(unknown)}; pick from fsdp2,torch,ddp,single")
 if args.rounds < 5:
     raise ValueError(f"--rounds must be at least 5 for a meaningful median, got {args.rounds}")
@@ -133,7 +141,7 @@ def build(name: str) -> Contender:
     model = build_model(args.model, size)
     if device is not None:
         model = model.to(device)
-    if name in ("fsdp2", "fsdp2+checks", "torch", "torch#2"):
+    if name in ("fsdp2", "fsdp2+checks", "fsdp2-off", "torch", "torch#2"):
         shard = fsdp2_fully_shard if name.startswith("fsdp2") else torch_fully_shard
         for block in blocks_of(model):
             shard(block)
@@ -147,9 +155,13 @@ def build(name: str) -> Contender:
     return Contender(name, model, opt)
 
 
+coalesce_budget = coalesce_bytes() if fsdp2_fully_shard is not None else 0
+
+
 def train_step(c: Contender) -> None:
     if fsdp2_fully_shard is not None:
         fsdp2.set_collective_checks(c.name == "fsdp2+checks")
+        fsdp2.set_coalesce_bytes(0 if c.name == "fsdp2-off" else coalesce_budget)
     _, loss = c.model(inputs, targets)
     loss.backward()
     c.opt.step()

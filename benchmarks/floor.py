@@ -13,8 +13,10 @@ time it takes, a complete implementation cannot beat by much.
 
 Contenders take turns, round by round, on the same model, init and global batch (each rank its
 slice): ``plain`` (no FSDP and no communication: this rank's compute and optimizer alone),
-``least``, ``fsdp2``, ``torch`` (``fully_shard``) and ``torch (again)``, whose distance from the
-first torch copy is the noise floor. Losses are printed first: ``least`` must train exactly like
+``least``, ``fsdp2`` (one collective per block: coalescing off, the floor's own terms),
+``fsdp2 coal.`` (coalescing at its budget: fewer collectives than the floor), ``torch``
+(``fully_shard``) and ``torch (again)``, whose distance from the first torch copy is the noise
+floor. Losses are printed first: ``least`` must train exactly like
 the others, or its time means nothing.
 """
 
@@ -38,6 +40,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fsdp2 from this checkout
 from fsdp2 import fully_shard as fsdp2_fully_shard
+from fsdp2 import set_coalesce_bytes
+from fsdp2.engine.coalesce import coalesce_bytes
 from workloads import DEFAULT_SIZES, build_model, make_batch
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -199,11 +203,13 @@ def contender(name: str) -> Callable[[], float]:
     if name == "least":
         least(model)
     elif name != "plain":
-        shard = fsdp2_fully_shard if name == "fsdp2" else torch_fully_shard
+        shard = fsdp2_fully_shard if name.startswith("fsdp2") else torch_fully_shard
         for block in model.blocks:  # type: ignore[union-attr]
             shard(block)
         shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    coalesce = budget if name == "fsdp2 coal." else 0
+    set_coalesce_bytes(coalesce)
     # AdamW barely sees a gradient's scale, so equal losses would not catch a wrong average:
     # print the first gradient's norm as well.
     _, loss = model(inputs, targets)
@@ -212,6 +218,7 @@ def contender(name: str) -> Callable[[], float]:
     opt.zero_grad()
 
     def step() -> float:
+        set_coalesce_bytes(coalesce)
         _, loss = model(inputs, targets)
         loss.backward()
         opt.step()
@@ -221,7 +228,8 @@ def contender(name: str) -> Callable[[], float]:
     return step
 
 
-names = ["plain", "least", "fsdp2", "torch", "torch (again)"]
+budget = coalesce_bytes()  # the default, or FSDP2_COALESCE_BYTES
+names = ["plain", "least", "fsdp2", "fsdp2 coal.", "torch", "torch (again)"]
 steps = {name: contender(name) for name in names}
 losses = {name: [f"{steps[name]():.6f}" for _ in range(3)] for name in names}
 if rank == 0:
@@ -243,6 +251,7 @@ if rank == 0:
     for name in names:
         print(
             f"{name:14s} {median[name]:7.1f}   {median[name] / median['plain']:5.2f}× plain"
+            f"   {median[name] / median['least']:5.2f}× least"
             f"   {median[name] / median['torch']:5.2f}× torch"
         )
     noise = abs(median["torch (again)"] / median["torch"] - 1)
