@@ -34,6 +34,7 @@ def _is_unsharded(model: Any) -> list[bool]:
 # ---------------------------------------------------------------------------------------------
 
 
+@per_group_collectives  # counts each group's own reduce-scatters
 def _no_sync() -> dict[str, Any]:
     from fsdp2.engine.collectives import record_collectives
 
@@ -64,6 +65,7 @@ def test_no_sync_accumulates_locally_then_reduces_once(world_size: int, fsdp2_on
         assert not any(any(g) for g in result["grads_before_last"])
 
 
+@per_group_collectives  # counts each group's own reduce-scatters
 def _is_last_backward() -> list[Counter[str]]:
     from fsdp2.engine.collectives import record_collectives
 

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from tests.errors import raised
-from tests.harness import check_backward_order, run_on_ranks
+from tests.harness import check_backward_order, per_group_collectives, run_on_ranks
 from tests.models import Batch
 from tests.parity import Lockstep, close
 
@@ -120,6 +120,7 @@ BACKWARD_ORDER = [
 ]
 
 
+@per_group_collectives  # each block's own reduce-scatter, issued as soon as it is done
 def _checkpointed(where: str, reentrant: bool) -> list[list[tuple[str, str]]]:
     from fsdp2.engine.collectives import record_collectives
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from fsdp2 import LowPrecisionReduceScatter, record_collectives
 from fsdp2.engine.comm import GroupAllocAllGather, GroupAllocReduceScatter
 from tests.errors import raised
-from tests.harness import IMPL_UNDER_TEST, run_on_ranks
+from tests.harness import IMPL_UNDER_TEST, per_group_collectives, run_on_ranks
 from tests.parity import Lockstep, fsdp_modules, shard_model
 
 NUM_STEPS = 3
@@ -39,6 +39,7 @@ def _train(t: Lockstep) -> tuple[list[float], list[Any]]:
     return losses, list(records)
 
 
+@per_group_collectives  # counts one reduce-scatter per group, as torch issues them
 def _separate_reduce_scatter_group(impl: str) -> dict[str, Any]:
     t = Lockstep("mlp")
     shard_model(t.model, "mlp", impl)

@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from tests.harness import check_backward_order, run_on_ranks
+from tests.harness import check_backward_order, per_group_collectives, run_on_ranks
 from tests.models import Batch
 from tests.parity import Lockstep, close
 
@@ -104,6 +104,7 @@ def _evaluate(t: Lockstep, mode: str, step: int) -> None:
         assert all(isinstance(p, DTensor) for p in t.model.parameters())
 
 
+@per_group_collectives  # each group's own reduce-scatter, issued as soon as it is done
 def _eval_and_train(mode: str, eval_steps: tuple[int, ...]) -> list[list[tuple[str, str]]]:
     from fsdp2 import fully_shard, register_fsdp_forward_method
 

@@ -189,16 +189,22 @@ def _at_reduce_scatter() -> list[dict[str, Any]]:
     fully_shard(model)
     seen: list[dict[str, Any]] = []
     gathered: list[torch.Tensor] = []
+    coalesced: list[bool] = []
 
     def spy_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Any, label: str, *a: Any):  # type: ignore[no-untyped-def]
-        g = {g.label: g for g in _groups(model)}[label]  # labels are FQNs from lazy init
-        seen.append(
-            {
-                "label": label,
-                "unsharded_nbytes": g.layout.unsharded_nbytes(),
-                "grads_left": sum(p.unsharded_param.grad is not None for p in g.fsdp_params),
-            }
-        )
+        groups = {g.label: g for g in _groups(model)}  # labels are FQNs from lazy init
+        # A coalesced bucket ("a+b", the root as "<root>") names each member (4 groups: no elision).
+        names = [n if n != "<root>" else "" for n in label.split("+")] if "+" in label else [label]
+        coalesced.append(len(names) > 1)
+        for name in names:
+            g = groups[name]
+            seen.append(
+                {
+                    "label": name,
+                    "unsharded_nbytes": g.layout.unsharded_nbytes(),
+                    "grads_left": sum(p.unsharded_param.grad is not None for p in g.fsdp_params),
+                }
+            )
         return reduce_scatter(out, inp, group, label, *a)
 
     def spy_all_gather(out: torch.Tensor, *a: Any, **k: Any):  # type: ignore[no-untyped-def]
@@ -206,26 +212,32 @@ def _at_reduce_scatter() -> list[dict[str, Any]]:
         return all_gather(out, *a, **k)
 
     # Each group's own collective seam (FSDPParamGroup.all_gather, GradientReducer.reduce_scatter),
-    # and the coalesced gathers' (engine/coalesce.py): their shared outputs must go too.
-    from fsdp2.engine import coalesce
+    # and the coalesced gathers' (engine/coalesce.py): their shared outputs must go too; and the
+    # coalesced reduce-scatters' (engine/coalesce_reduce.py): every member freed before it.
+    from fsdp2.engine import coalesce, coalesce_reduce
 
     for g in _groups(model):
         g.all_gather = spy_all_gather
         g.reducer.reduce_scatter = spy_reduce_scatter
     coalesce.all_gather = spy_all_gather  # type: ignore[assignment]
+    coalesce_reduce.reduce_scatter = spy_reduce_scatter  # type: ignore[assignment]
     try:
         model(*make_batch("mlp", batch_seed(0, dist.get_rank()), 4)).backward()
     finally:
         coalesce.all_gather = all_gather  # type: ignore[assignment]
+        coalesce_reduce.reduce_scatter = reduce_scatter  # type: ignore[assignment]
     # Our gather outputs are freed once copied out, whoever else still references them.
     left = sum(t.untyped_storage().nbytes() for t in gathered)
-    seen.append({"gathers": len(gathered) > 0, "gather_outputs_left": left})
+    seen.append(
+        {"gathers": len(gathered) > 0, "gather_outputs_left": left, "rs_coalesced": any(coalesced)}
+    )
     return seen
 
 
 def test_reduce_scatter_issued_after_parameters_and_gradients_are_freed() -> None:
     """Backward frees a group's unsharded parameters and gradients before its reduce-scatter
     allocates its buffers (gloo clones the input), so they never coexist with them."""
+    from fsdp2.engine.coalesce import coalesce_bytes
     from tests.harness import run_on_ranks
 
     for rank, seen in enumerate(run_on_ranks(2, _at_reduce_scatter)):
@@ -234,4 +246,8 @@ def test_reduce_scatter_issued_after_parameters_and_gradients_are_freed() -> Non
         for s in issued:
             assert s["unsharded_nbytes"] == 0, f"rank {rank}: {s}"
             assert s["grads_left"] == 0, f"rank {rank}: {s}"
-        assert tail == {"gathers": True, "gather_outputs_left": 0}, f"rank {rank}"
+        # Coalescing on (the default): the small groups' reduce-scatters went as one bucket.
+        coalescing = coalesce_bytes() > 0
+        assert tail == {"gathers": True, "gather_outputs_left": 0, "rs_coalesced": coalescing}, (
+            f"rank {rank}: {tail}"
+        )

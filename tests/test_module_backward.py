@@ -20,7 +20,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from tests.harness import IMPL_UNDER_TEST, check_backward_order, fsdp_api, run_on_ranks
+from tests.harness import (
+    IMPL_UNDER_TEST,
+    check_backward_order,
+    fsdp_api,
+    per_group_collectives,
+    run_on_ranks,
+)
 from tests.models import Batch
 from tests.parity import Lockstep, close, fsdp_modules, mean_over_ranks
 
@@ -194,6 +200,7 @@ def test_reentrant_checkpoint_on_a_submodule() -> None:
         assert compared == NUM_STEPS * (2 * 2 * NUM_BLOCKS + 2)
 
 
+@per_group_collectives  # each group reshards and reduces in turn, its own collectives
 def _backward_order() -> list[list[tuple[str, str]]]:
     from fsdp2.engine.collectives import record_collectives
 
@@ -223,6 +230,5 @@ def test_each_group_freed_before_the_one_before_it_gathers() -> None:
     for orders in run_on_ranks(2, _backward_order):
         assert len(orders) == 2
         for order in orders:
-            # Coalescing on: the groups ahead come in one gather, within its budget (test_coalesce
-            # bounds that memory); each group still reduces in turn.
+            # Pinned per group: coalesced reduce-scatters wait for their bucket (test_coalesce*).
             check_backward_order(order, expected)
