@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.harness import fsdp_api, run_on_ranks
+from tests.harness import fsdp_api, per_group_collectives, run_on_ranks
 from tests.models import MLP_DIM, MLP_IN, MLP_OUT, Batch
 from tests.parity import Lockstep, backward_counts
 
@@ -53,6 +53,7 @@ class RoutedLockstep(Lockstep):
         return x, torch.full((x.shape[0],), rank % NUM_EXPERTS), y
 
 
+@per_group_collectives  # counts each group's reduce-scatter, as torch issues them
 def _unused_params(impl: str) -> list[int]:
     fully_shard = fsdp_api(impl).fully_shard
     t = RoutedLockstep(MoE, lambda gen, n: (torch.randn(n, MLP_IN, generator=gen),
