@@ -167,7 +167,10 @@ class TestCoalescedHangReport(expecttest.TestCase):
     """Checks off, coalescing on ([Note: coalesced gathers]): ranks whose coalesced gathers
     serve different groups exchange equal sizes and raise CollectiveMismatchError on every
     rank, naming each rank's groups; a rank missing from one gets the hang report, which names
-    the coalesced gather's groups. Never gloo's abort, which reports nothing."""
+    the coalesced gather's groups. Reduce-scatters are coalesced too ([Note: coalesced
+    reduce-scatters]): held to the end of backward, so a rank raising in backward issues no
+    reduce-scatter.
+    Never gloo's abort, which reports nothing."""
 
     def _both(self, name: str) -> tuple[str, str]:
         rank0, rank1 = _outcomes(name, checks=False, coalesce=True)
@@ -214,10 +217,10 @@ The ranks ran different fully_shard modules in this iteration (control flow that
         self.assertExpectedInline(
             rank0,
             """\
-CollectiveTimeoutError: fsdp2: rank 0 waited N s (FSDP2_COLLECTIVE_TIMEOUT) for the reduce-scatter #10 for `blocks.1` (76 elements, float32) on the process group of ranks [0, 1], and it has not finished.
+CollectiveTimeoutError: fsdp2: rank 0 waited N s (FSDP2_COLLECTIVE_TIMEOUT) for the reduce-scatter #7 for `experts.1+experts.0+blocks.2+blocks.1+blocks.0+<root>` (420 elements, float32) on the process group of ranks [0, 1], and it has not finished.
 Where each rank is (from the c10d store):
   rank 0 (this rank): blocked in it
-  rank 1: MISSING, issued only #0-#9 on this group; not in an fsdp2 collective (busy elsewhere, finished or raised); last seen N s ago issuing reduce-scatter #9 for `blocks.2` (76 elements, float32) [published N s ago]
+  rank 1: MISSING, issued only #0-#6 on this group; not in an fsdp2 collective (busy elsewhere, finished or raised); last seen N s ago issuing all-gather #6 for `experts.1+experts.0+blocks.2+blocks.1+blocks.0` (240 elements, float32) [published N s ago]
 A rank MISSING from it skipped that module (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs or shapes), raised, or never started the step. A rank on a DIFFERENT collective got out of step earlier: collectives pair up by order, not by module, so earlier ones may have exchanged wrong data. The process group is unusable now (a collective is half done): abort the job on every rank. FSDP2_CHECK_COLLECTIVES=1 stops at the first collective where the ranks disagree, with both sides named.""",
         )
         self.assertEqual(rank1, "RuntimeError: tripwire fired in backward")
@@ -227,10 +230,10 @@ A rank MISSING from it skipped that module (control flow that depends on the ran
         self.assertExpectedInline(
             rank0,
             """\
-CollectiveTimeoutError: fsdp2: rank 0 waited N s (FSDP2_COLLECTIVE_TIMEOUT) for the all-gather #13 for `<root>+blocks.0+blocks.1+blocks.2+experts.0+experts.1` (240 elements, float32) on the process group of ranks [0, 1], and it has not finished.
+CollectiveTimeoutError: fsdp2: rank 0 waited N s (FSDP2_COLLECTIVE_TIMEOUT) for the all-gather #8 for `<root>+blocks.0+blocks.1+blocks.2+experts.0+experts.1` (240 elements, float32) on the process group of ranks [0, 1], and it has not finished.
 Where each rank is (from the c10d store):
   rank 0 (this rank): blocked in it
-  rank 1: MISSING, issued only #0-#12 on this group; not in an fsdp2 collective (busy elsewhere, finished or raised); last seen N s ago issuing reduce-scatter #12 for `<root>` (40 elements, float32) [published N s ago]
+  rank 1: MISSING, issued only #0-#7 on this group; not in an fsdp2 collective (busy elsewhere, finished or raised); last seen N s ago issuing reduce-scatter #7 for `experts.1+experts.0+blocks.2+blocks.1+blocks.0+<root>` (420 elements, float32) [published N s ago]
 A rank MISSING from it skipped that module (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs or shapes), raised, or never started the step. A rank on a DIFFERENT collective got out of step earlier: collectives pair up by order, not by module, so earlier ones may have exchanged wrong data. The process group is unusable now (a collective is half done): abort the job on every rank. FSDP2_CHECK_COLLECTIVES=1 stops at the first collective where the ranks disagree, with both sides named.""",
         )
         self.assertEqual(rank1, "skipped step 1")

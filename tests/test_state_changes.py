@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from tests import test_mixed_dtypes as mixed
 from tests.errors import error_text
-from tests.harness import IMPL_UNDER_TEST, fsdp_api, run_on_ranks
+from tests.harness import IMPL_UNDER_TEST, fsdp_api, per_group_collectives, run_on_ranks
 from tests.models import MLP_DIM, MLP_IN, MLP_OUT, build_model, make_batch
 from tests.parity import (
     GLOBAL_BATCH,
@@ -141,6 +141,7 @@ def test_requires_grad_changed_between_steps_4_ranks() -> None:
     run_on_ranks(4, _requires_grad_schedule, IMPL_UNDER_TEST, None)
 
 
+@per_group_collectives  # pins one group's reduce-scatter size; coalescing would merge groups
 def _unfreeze_in_mixed_dtype_group() -> list[dict[str, int]]:
     """A group holding fp32 and fp64 parameters reduces in the widest dtype of those that
     train: fp32 while the fp64 ones are frozen, fp64 once they are unfrozen."""
