@@ -432,7 +432,9 @@ def per_group_collectives(fn: Callable[..., Any]) -> Callable[..., Any]:
 def check_backward_order(order: list[tuple[str, str]], expected: list[tuple[str, str]]) -> None:
     """A backward's collectives ``(kind, label)`` against ``expected``, written one gather per
     group: exactly when coalescing is off; with it on, the same reduce-scatters in the same
-    order, and each group gathered as often, some of them in coalesced gathers ("a+b")."""
+    order, and each group gathered as often, some of them in coalesced gathers ("a+b"). Since
+    reduce-scatters coalesce too, the callers pin coalescing off (``per_group_collectives``)
+    wherever a group's own reduce-scatter matters; the coalesced branch serves the rest."""
     from fsdp2.engine.coalesce import coalesce_bytes
 
     if not coalesce_bytes():
