@@ -71,6 +71,7 @@ __all__ = [
     "DEFAULT_COALESCE_BYTES",
     "bucket_label",
     "coalesce_bytes",
+    "fixed_send_bytes",
     "gather_with_following",
     "header_bytes",
     "set_coalesce_bytes",
@@ -179,12 +180,18 @@ def _per_rank_bytes(groups: list[FSDPParamGroup], budget: int, world: int) -> in
     cached = _fixed_size.get(groups[0])
     if cached is not None and cached[0] == key:
         return cached[1]
-    share = (budget // world) // ALIGN * ALIGN
-    header = header_bytes(len(groups))
-    sizes = (_send_bytes(g) for g in groups)
-    size = min(share, header + sum(n for n in sizes if header + n <= share))
+    size = fixed_send_bytes([_send_bytes(g) for g in groups], budget, world)
     _fixed_size[groups[0]] = (key, size)
     return size
+
+
+def fixed_send_bytes(sends: list[int], budget: int, world: int) -> int:
+    """The rule of ``_per_rank_bytes``, on sizes alone (the planner replays it): each of the
+    root's groups sends ``sends[i]`` aligned bytes; the budget's share per rank, or the header and
+    every send that fits the share, if less."""
+    share = (budget // world) // ALIGN * ALIGN
+    header = header_bytes(len(sends))
+    return min(share, header + sum(n for n in sends if header + n <= share))
 
 
 def _send_bytes(group: FSDPParamGroup) -> int:

@@ -133,7 +133,7 @@ class HeldReduces:
             reducer.reduce_group() is first.reduce_group()
             and reducer.layout.reduce_dtype == first.layout.reduce_dtype
             and reducer.layout.device == first.layout.device
-            and _use_sum(reducer) == _use_sum(first)
+            and reducer.sums() == first.sums()
         )
 
     def flush(self, queue: _Queue, max_in_flight: int) -> None:
@@ -148,11 +148,6 @@ class HeldReduces:
     def drop(self) -> None:
         """Forget the held inputs (a reset: the failed iteration's gradients are dropped)."""
         self.members, self.nbytes = [], 0
-
-
-def _use_sum(reducer: GradientReducer) -> bool:
-    settings = reducer.settings
-    return settings.divide_factor is not None or settings.force_sum_reduction
 
 
 def _issue(members: list[tuple[GradientReducer, ReduceInput]]) -> PendingBucket:

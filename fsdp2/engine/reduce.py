@@ -261,7 +261,7 @@ class GradientReducer:
         if not params:
             return None
         grads = [self._take_grad(p) for p in params]
-        use_sum = self.settings.divide_factor is not None or self.settings.force_sum_reduction
+        use_sum = self.sums()
         if self.shard_size == 1 and self.info.replicate_group is None and not use_sum:
             if self.settings.all_reduce_hook is None:
                 return PendingReduce(self, Pending(None), None, params, grads, use_sum)
@@ -286,6 +286,10 @@ class GradientReducer:
         torch._chunk_cat(grads, dim=0, num_chunks=self.shard_size, out=inp)  # casts to reduce_dtype
         grads.clear()  # copied: free them before the collective allocates its own buffers
         return ReduceInput(inp, params, use_sum, used)
+
+    def sums(self) -> bool:
+        """Whether this group's reduction sums (and divides afterwards) instead of averaging."""
+        return self.settings.divide_factor is not None or self.settings.force_sum_reduction
 
     def reduce_group(self) -> dist.ProcessGroup:
         """The process group this group's reduce-scatter runs on."""

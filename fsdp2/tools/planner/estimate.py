@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fsdp2.engine.coalesce import ALIGN, bucket_label, header_bytes
+from fsdp2.engine.coalesce import ALIGN, bucket_label, fixed_send_bytes, header_bytes
 from fsdp2.tools.planner.groups import GroupFacts
 
 __all__ = ["Collective", "Schedule", "Transient", "collectives", "transient"]
@@ -70,7 +70,7 @@ class Schedule:
     compatible (process group, reduce dtype, op) and the inputs fit the budget, else the held
     bucket is issued first; the rest is issued at the end of backward. A group alone over the
     budget is issued alone. The engine gathers at one fixed size per root (a header, then the
-    aligned shards: ``coalesce._per_rank_bytes``): the members' aligned sends fill that size,
+    aligned shards: ``coalesce.fixed_send_bytes``): the members' aligned sends fill that size,
     and a group that fits goes that way even alone. Memory: a bucket's shared
     output lives from its gather until its last member copies out (a member backward never
     reaches: the end of backward), beside its send buffer and, on gloo, a temporary the
@@ -196,11 +196,8 @@ class Schedule:
 
     def _per_rank(self, g: GroupFacts) -> int:
         """The engine's fixed send size of a coalesced gather over ``g``'s ranks: the budget's
-        share, or what the root's groups that fit in it need (``coalesce._per_rank_bytes``)."""
-        share = (self.budget // g.shard_world) // ALIGN * ALIGN
-        header = header_bytes(len(self.groups))
-        sizes = (self._size(m) for m in self.groups)
-        return min(share, header + sum(n for n in sizes if header + n <= share))
+        share, or what the root's groups that fit in it need (``coalesce.fixed_send_bytes``)."""
+        return fixed_send_bytes([self._size(m) for m in self.groups], self.budget, g.shard_world)
 
     def _capacity(self, g: GroupFacts) -> int:
         """Bytes of members' sends one coalesced gather may carry (0: coalescing off)."""
