@@ -68,7 +68,9 @@ def default_mesh() -> DeviceMesh:
             "fully_shard needs an initialized process group: call "
             "torch.distributed.init_process_group() (e.g. under torchrun) or pass mesh=..."
         )
-    accelerator = torch.accelerator.current_accelerator()
+    # check_available: a CUDA build of torch on a machine without a GPU names cuda otherwise,
+    # and the mesh then fails at the first tensor; gloo on CPU is what such a machine can run.
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
     device_type = accelerator.type if accelerator is not None else "cpu"
     return init_device_mesh(device_type, (dist.get_world_size(),))
 

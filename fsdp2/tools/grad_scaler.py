@@ -56,7 +56,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         if device is None:
-            accelerator = torch.accelerator.current_accelerator()
+            # check_available: a CUDA build on a machine without a GPU would name cuda, and
+            # GradScaler then disables itself; the device the job really runs on is wanted.
+            accelerator = torch.accelerator.current_accelerator(check_available=True)
             device = accelerator.type if accelerator is not None else "cpu"
         super().__init__(
             device,
