@@ -432,14 +432,18 @@ def test_gradients_on_some_ranks_only() -> None:
         assert untouched
 
 
-def _diverge(skip_on_rank1: int, step_to_skip: int) -> str:
+def _diverge(skip_on_rank1: int, step_to_skip: int, deferred: bool = False) -> str:
     """Coalescing on, checks off; in one step rank 1 skips a block (a user's rank-dependent
-    control flow). Returns the error this rank raised."""
+    control flow). Returns the error this rank raised. ``deferred``: the headers are compared
+    as on an accelerator, before the next collective instead of at the wait."""
+    import fsdp2.engine.coalesce as coalesce
     from fsdp2.engine.coalesce import coalesce_bytes, set_coalesce_bytes
     from tests.models import MODELS
 
-    saved = coalesce_bytes()
+    saved, saved_defers = coalesce_bytes(), coalesce._defers
     set_coalesce_bytes(BUDGET)
+    if deferred:
+        coalesce._defers = lambda device: True  # type: ignore[assignment]
     try:
         model, _ = _sharded_twins()
         every = list(model.blocks)  # type: ignore[arg-type]
@@ -452,16 +456,19 @@ def _diverge(skip_on_rank1: int, step_to_skip: int) -> str:
         return f"{type(error).__name__}: {error}"
     finally:
         set_coalesce_bytes(saved)  # the pool process runs later tests
+        coalesce._defers = saved_defers  # type: ignore[method-assign]
     return "no error"
 
 
+@pytest.mark.parametrize("deferred", [False, True], ids=["at_wait", "deferred"])
 @pytest.mark.parametrize("skip", [4, 3], ids=["inside_a_bucket", "starts_a_bucket"])
-def test_diverging_ranks_named_on_every_rank(skip: int) -> None:
+def test_diverging_ranks_named_on_every_rank(skip: int, deferred: bool) -> None:
     """A block skipped on one rank: the ranks' coalesced gathers serve different groups. Each
     has the same size (gloo would abort a process on a size mismatch, with no report), and a
     header naming its groups, so that every rank raises an error naming both sides (each
-    rank's groups in the model's order)."""
-    messages = run_on_ranks(2, _diverge, skip, 1)
+    rank's groups in the model's order). ``deferred``: compared as on an accelerator, before
+    the next collective: the same error, and no rank issues a collective past it."""
+    messages = run_on_ranks(2, _diverge, skip, 1, deferred)
     for message in messages:
         assert message.startswith(
             "CollectiveMismatchError: fsdp2: the ranks gathered different groups in one "

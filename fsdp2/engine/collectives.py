@@ -30,9 +30,12 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "all_to_all",
+    "defer_check",
+    "forget_deferred_checks",
     "record",
     "record_collectives",
     "reduce_scatter",
+    "run_deferred_checks",
 ]
 
 # "agree": the small exchanges that make every rank raise alike (agreement.py), at init only.
@@ -67,6 +70,32 @@ class CollectiveRecord:
 
 
 _recorders: list[list[CollectiveRecord]] = []
+
+# Checks of collectives an accelerator has not finished (a coalesced gather's headers,
+# coalesce.py): run before the next collective is issued, so that ranks that diverged raise
+# before they could issue mismatched ones, and at the end of a forward and of a backward. Run at
+# the gather's own wait they would stall the host until the device's whole queue drained.
+_deferred: list[Callable[[], None]] = []
+
+
+def defer_check(check: Callable[[], None]) -> None:
+    _deferred.append(check)
+
+
+def run_deferred_checks() -> None:
+    """Run the deferred checks (each may block until its collective finished); the first to
+    fail raises, and the rest are dropped: every rank raises at the same one."""
+    if _deferred:
+        pending = list(_deferred)
+        _deferred.clear()
+        for check in pending:
+            check()
+
+
+def forget_deferred_checks() -> None:
+    """A failed iteration is forgotten: so are the checks of its collectives."""
+    _deferred.clear()
+
 
 # What the seam calls in place of its default all-gather / reduce-scatter (``comm.py``'s classes):
 # ``(output, input, group, async_op=...)``, and ``op`` before ``async_op`` for a reduce-scatter.
@@ -241,7 +270,10 @@ def _note(
     out: torch.Tensor,
     group: dist.ProcessGroup,
 ) -> hang.Event:
-    """Before issuing: the event ring (always), the cross-rank check (opt-in), the records."""
+    """Before issuing: the deferred checks, the event ring (always), the cross-rank check
+    (opt-in), the records."""
+    if _deferred:
+        run_deferred_checks()
     event = hang.note(kind, label, inp, group)
     if switches.checks_enabled:
         if _recorders:

@@ -17,6 +17,7 @@ import torch
 from torch.autograd import Variable
 
 from fsdp2.engine.coalesce_reduce import HeldReduces, PendingBucket
+from fsdp2.engine.collectives import forget_deferred_checks, run_deferred_checks
 from fsdp2.engine.grads import Reduced, hand_over
 from fsdp2.engine.param_group import FSDPParamGroup
 from fsdp2.engine.reduce import GradientReducer, PendingReduce
@@ -98,6 +99,7 @@ class IterContext(Generic[_Member]):
         self.training_forward = torch.is_grad_enabled()
 
     def end_forward(self) -> None:
+        run_deferred_checks()  # a coalesced gather's headers, on accelerators
         self.forward_order = self.recording
         self.training_forward = False
 
@@ -131,6 +133,7 @@ class IterContext(Generic[_Member]):
         stay gathered: the graph it built (a gradient penalty's) uses the unsharded parameters
         in the next backward, which reshards them."""
         trace("end_of_backward", "")
+        run_deferred_checks()  # before stashing gradients that no collective will reduce
         keep_gathered = torch.is_grad_enabled()
         for group in self.groups:
             if not group.settings.requires_gradient_sync:
@@ -155,6 +158,7 @@ class IterContext(Generic[_Member]):
 
     def reset(self) -> None:
         """Forget a failed iteration: its collectives, its gradients, its unsharded parameters."""
+        forget_deferred_checks()
         self.held.drop()
         while self.in_flight:
             self.in_flight.popleft().finish()

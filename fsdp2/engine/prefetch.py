@@ -16,40 +16,54 @@ same cores, so a prefetched gather overlaps nothing (forward: 784 vs 958 ms per 
 ranks; backward: 49.1 vs 48.9 ms) while its buffer raised peak memory by 2 MiB of 19 (the same
 model). ``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch`` replace the
 guess everywhere; ``GroupSettings.guess_prefetch`` overrides the choice by device.
+With coalescing on, a guessed prefetch is a coalesced gather like any other: the group guessed
+takes along the small groups after it (backward: before it). Gathered alone it would leave the
+next group's own hook nothing to coalesce, and from there on every group would be prefetched
+alone, one collective each (measured on one H100, 96 tiny blocks on an 8-rank fake group: 179
+all-gathers per step instead of 14).
 """
 
 from __future__ import annotations
 
 from fsdp2.engine.changes import take_up_changes
+from fsdp2.engine.coalesce import Context, gather_with_following
 from fsdp2.engine.param_group import FSDPParamGroup
 
 __all__ = ["prefetch_after", "prefetch_before"]
 
 
-def prefetch_after(group: FSDPParamGroup, order: list[FSDPParamGroup], iteration: int) -> None:
+def _start(target: FSDPParamGroup, ctx: Context, coalesce: bool, backward: bool) -> None:
+    if not (coalesce and gather_with_following(target, ctx, backward)):
+        target.unshard()  # a no-op if it is gathered or under way
+
+
+def prefetch_after(group: FSDPParamGroup, ctx: Context, coalesce: bool) -> None:
     """At ``group``'s pre-forward, on accelerators: start gathering the group that ran after it
-    in the last forward (``order``), unless that one ran already in this ``iteration``."""
+    in the last forward (``ctx.forward_order``), unless that one ran already in this iteration.
+    ``coalesce``: with the small groups after it, as its own pre-forward would."""
     if not group.guesses_prefetch():
         return
-    index = group.order_index
+    order, index = ctx.forward_order, group.order_index
     if index + 1 < len(order) and order[index] is group:
         following = order[index + 1]
-        if following.seen_in != iteration:  # not run yet in this forward
+        if following.seen_in != ctx.iteration:  # not run yet in this forward
             take_up_changes(following)  # what its own pre-forward would do first
-            following.unshard()
+            _start(following, ctx, coalesce, backward=False)
 
 
 def prefetch_before(
     group: FSDPParamGroup,
-    order: list[FSDPParamGroup],
-    iteration: int,
+    ctx: Context,
+    coalesce: bool,
     is_root: bool,
     root_groups: list[FSDPParamGroup],
 ) -> None:
     """At ``group``'s pre-backward, on accelerators: start gathering the group whose backward
-    comes next, the one before it in the last forward (``order``)."""
+    comes next, the one before it in the last forward (``ctx.forward_order``); ``coalesce``:
+    with the small groups before that one."""
     if not group.guesses_prefetch():
         return
+    order, iteration = ctx.forward_order, ctx.iteration
     if group.seen_in == iteration and order and order[group.order_index] is group:
         # The root prefetches the last group, whose gradients come first; any other group the
         # one before it, but never the root's: the root's pre-backward ran first and gathered
@@ -60,4 +74,4 @@ def prefetch_before(
         elif group.order_index > 0 and order[group.order_index - 1] not in root_groups:
             previous = order[group.order_index - 1]
         if previous is not group and previous.settings.unshard_in_backward:
-            previous.unshard()
+            _start(previous, ctx, coalesce, backward=True)

@@ -225,7 +225,7 @@ class FSDPState:
                 target.unshard()
         elif not recompute:  # a checkpoint's recompute runs in backward's order, not forward's
             for group in self.groups:
-                prefetch_after(group, ctx.forward_order, ctx.iteration)
+                prefetch_after(group, ctx, coalesce)
         return args, kwargs
 
     @_disable_dynamo
@@ -349,7 +349,7 @@ class FSDPState:
             return
         root_groups = ctx.states[0].groups
         for group in self.groups:
-            prefetch_before(group, ctx.forward_order, ctx.iteration, self.is_root, root_groups)
+            prefetch_before(group, ctx, coalesce, self.is_root, root_groups)
 
     def _post_backward(self, group: FSDPParamGroup) -> None:
         """Every gradient of ``group`` is in; finish it if its modules' backward is done too."""

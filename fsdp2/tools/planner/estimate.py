@@ -65,8 +65,8 @@ class Schedule:
     hook (not already gathered or prefetched) takes along the groups after it in forward order
     (in backward: before it) while each is joinable, compatible (same process group and gather
     dtype), still sharded and the gather outputs stay within the budget; backward takes only
-    groups that resharded after forward and gather in backward. A prefetch gathers its one
-    group alone. In backward a reduce-scatter that may join is held; the next joins it while
+    groups that resharded after forward and gather in backward. A guessed prefetch (on
+    accelerators) forms its bucket the same way from the group it prefetches. In backward a reduce-scatter that may join is held; the next joins it while
     compatible (process group, reduce dtype, op) and the inputs fit the budget, else the held
     bucket is issued first; the rest is issued at the end of backward. A group alone over the
     budget is issued alone. The engine gathers at one fixed size per root (a header, then the
@@ -111,7 +111,7 @@ class Schedule:
             nxt = i + 1
             if self.prefetch and nxt < len(groups) and not self.gathered[nxt]:
                 if groups[nxt].shard_world > 1:
-                    self._gather(nxt, backward=False, alone=True)
+                    self._gather(nxt, backward=False)
         for i, g in enumerate(groups):  # after forward: resharded, or kept gathered
             self.gathered[i] = not g.reshard_after_forward and g.shard_world > 1
 
@@ -120,7 +120,7 @@ class Schedule:
         gathered = gathered_in_backward(groups, self.prefetch)
         last = len(groups) - 1
         if self.prefetch and last > 0 and self._regathers(last) and not groups[last].is_root:
-            self._gather(last, backward=True, alone=True)  # the root's pre-backward prefetch
+            self._gather(last, backward=True)  # the root's pre-backward prefetch
         for i in reversed(range(len(groups))):
             g = groups[i]
             if gathered[i] and self._regathers(i) and not self.gathered[i]:
@@ -130,7 +130,7 @@ class Schedule:
                 prev = groups[before]
                 if gathered[before] and self._regathers(before) and not prev.is_root:
                     if not self.gathered[before]:
-                        self._gather(before, backward=True, alone=True)
+                        self._gather(before, backward=True)
             if g.num_trainable and g.shard_world > 1:
                 self._reduce(i)
             elif not self.held:
@@ -146,13 +146,13 @@ class Schedule:
         g = self.groups[i]
         return g.shard_world > 1 and g.reshard_after_forward and g.unshard_in_backward
 
-    def _gather(self, i: int, backward: bool, alone: bool = False) -> None:
+    def _gather(self, i: int, backward: bool) -> None:
         """Group ``i``'s gather, with the groups that join it (forward: after it; backward:
-        before it) unless ``alone`` (a prefetch)."""
+        before it)."""
         groups, limit = self.groups, self._capacity(self.groups[i])
         g = groups[i]
         bucket, used = [i], self._size(g)
-        joins = bool(limit) and not alone and g.gather_joinable and used <= limit
+        joins = bool(limit) and g.gather_joinable and used <= limit
         step = -1 if backward else 1
         j = i + step
         while joins and 0 <= j < len(groups):
