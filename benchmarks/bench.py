@@ -78,6 +78,14 @@ parser.add_argument(
 parser.add_argument(
     "--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo; cuda: NCCL (%(default)s)"
 )
+parser.add_argument(
+    "--fake-world",
+    type=int,
+    default=0,
+    help="run as rank 0 of N on torch's fake process group: collectives cost nothing and move no "
+    "data (losses are meaningless), so the step is the per-rank overhead of sharding N ways, "
+    "e.g. on one GPU",
+)
 args = parser.parse_args()
 
 overrides = {k: v for k in ("layers", "dim", "heads", "seq") if (v := getattr(args, k))}
@@ -99,7 +107,12 @@ backend = "nccl" if args.device == "cuda" else "gloo"
 if args.device == "cuda":
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
 device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else None
-if "RANK" in os.environ:
+if args.fake_world:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    backend = "fake"
+    dist.init_process_group(backend, store=FakeStore(), rank=0, world_size=args.fake_world)
+elif "RANK" in os.environ:
     dist.init_process_group(backend)
 else:  # plain `python benchmarks/bench.py`: one rank, as with --nproc-per-node 1
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -182,7 +195,7 @@ for _ in range(args.warmup):
 def fsdp_collectives_alone() -> Callable[[], None] | None:
     """The collectives of one FSDP step (per-block fully_shard, blocks reshard after forward),
     issued back to back with no compute: what gloo alone costs, the floor under any FSDP."""
-    if world_size == 1:
+    if world_size == 1 or args.fake_world:
         return None
     model = build_model(args.model, size)
     blocks = [list(block.parameters()) for block in blocks_of(model)]

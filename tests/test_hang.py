@@ -185,7 +185,7 @@ class TestCoalescedHangReport(expecttest.TestCase):
 CollectiveMismatchError: fsdp2: the ranks gathered different groups in one coalesced all-gather:
   rank 0: `blocks.1`
   rank 1: `blocks.2`
-The ranks ran different fully_shard modules in this iteration (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs). Every rank must run every sharded module in each forward, in the same order (give an unused expert a zero-weighted call). The gathered data was discarded. To see each collective on its own, turn coalescing off (FSDP2_COALESCE_BYTES=0).""",
+The ranks ran different fully_shard modules in this iteration (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs). Every rank must run every sharded module in each forward, in the same order (give an unused expert a zero-weighted call). The step raised before its gradients were reduced: discard this iteration. To see each collective on its own, turn coalescing off (FSDP2_COALESCE_BYTES=0).""",
         )
 
     def test_expert_on_rank0(self) -> None:
@@ -197,7 +197,7 @@ The ranks ran different fully_shard modules in this iteration (control flow that
 CollectiveMismatchError: fsdp2: the ranks gathered different groups in one coalesced all-gather:
   rank 0: `experts.1`
   rank 1: `blocks.0+blocks.1+blocks.2+experts.0`
-The ranks ran different fully_shard modules in this iteration (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs). Every rank must run every sharded module in each forward, in the same order (give an unused expert a zero-weighted call). The gathered data was discarded. To see each collective on its own, turn coalescing off (FSDP2_COALESCE_BYTES=0).""",
+The ranks ran different fully_shard modules in this iteration (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs). Every rank must run every sharded module in each forward, in the same order (give an unused expert a zero-weighted call). The step raised before its gradients were reduced: discard this iteration. To see each collective on its own, turn coalescing off (FSDP2_COALESCE_BYTES=0).""",
         )
 
     def test_batch_shapes(self) -> None:
@@ -209,7 +209,7 @@ The ranks ran different fully_shard modules in this iteration (control flow that
 CollectiveMismatchError: fsdp2: the ranks gathered different groups in one coalesced all-gather:
   rank 0: `blocks.0+blocks.1+blocks.2+experts.0+experts.1`
   rank 1: `long_context`
-The ranks ran different fully_shard modules in this iteration (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs). Every rank must run every sharded module in each forward, in the same order (give an unused expert a zero-weighted call). The gathered data was discarded. To see each collective on its own, turn coalescing off (FSDP2_COALESCE_BYTES=0).""",
+The ranks ran different fully_shard modules in this iteration (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs). Every rank must run every sharded module in each forward, in the same order (give an unused expert a zero-weighted call). The step raised before its gradients were reduced: discard this iteration. To see each collective on its own, turn coalescing off (FSDP2_COALESCE_BYTES=0).""",
         )
 
     def test_raise_in_backward(self) -> None:

@@ -548,3 +548,28 @@ def test_a_group_rebuilt_over_the_same_ranks(impl: str) -> None:
     finally:
         discard_pool(2)
     assert losses[0] == losses[1]
+
+
+def _default_mesh_on_a_cuda_build_without_gpu() -> tuple[str, str]:
+    """torch.accelerator as a CUDA build of torch answers on a machine without a GPU: cuda is
+    the build's accelerator, but not available. Returns (the default mesh's device type, the
+    device fsdp2.ShardedGradScaler picks)."""
+    from unittest import mock
+
+    def current_accelerator(check_available: bool = False) -> torch.device | None:
+        return None if check_available else torch.device("cuda")
+
+    with mock.patch.object(torch.accelerator, "current_accelerator", current_accelerator):
+        from fsdp2.engine.mesh import default_mesh
+
+        mesh = default_mesh()
+        scaler = fsdp2.ShardedGradScaler()
+    return mesh.device_type, scaler._device
+
+
+def test_default_mesh_on_a_cuda_build_without_gpu() -> None:
+    """fully_shard without a mesh, and ShardedGradScaler without a device, on a CUDA build of
+    torch with no GPU (a laptop, a CPU CI runner): gloo on CPU, as the machine can run, not a
+    cuda mesh that fails at the first tensor or a scaler that disables itself."""
+    for result in run_on_ranks(2, _default_mesh_on_a_cuda_build_without_gpu):
+        assert tuple(result) == ("cpu", "cpu"), result
