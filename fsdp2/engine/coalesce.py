@@ -23,22 +23,21 @@ exists to name) form different buckets: no rule made from one rank's own facts c
 since what ran is exactly what differs. So every coalesced gather has ONE size, whatever its
 groups: each rank sends the budget's share (``budget // world``, to 16 bytes; less if all the
 root's small groups fit in less), a header (a bit per group of the root, the same list on every
-rank) then the shards, aligned, then zeros. A
-mismatch then exchanges equal sizes (gloo would abort the process on unequal ones, with no
-report; NCCL would corrupt or hang), and every rank's header is compared: :class:`
-CollectiveMismatchError` is raised on every rank, naming each rank's groups. On CPU the first
-group to wait compares them, before any data is used. On an accelerator that would stall the
-host until the device's queue drained, at every coalesced gather (one H100, 96 blocks on an
-8-rank fake group, compute-bound: 18 ms of a 154 ms step): there the headers are copied to the
-host without blocking, and compared before the next collective is issued (no rank issues a
-collective past a mismatch) or at the end of the forward or backward: the step raises before
-its gradients are reduced. A group small enough goes this way even alone (a bucket of one; in the first
+rank) then the shards, aligned, then zeros. A mismatch then exchanges equal sizes (gloo would abort the process on unequal ones, with no
+report; NCCL would corrupt or hang), and every rank's header is compared: every rank raises
+:class:`CollectiveMismatchError`, naming each rank's groups. On CPU the first group to wait
+compares them, before any data is used. On an accelerator that would stall the host until the
+device's queue drained, at every coalesced gather (one H100, 96 blocks on an 8-rank fake group,
+compute-bound: 18 ms of a 154 ms step): there the headers are copied to the host without
+blocking, and compared before the next collective is issued (no rank issues one past a
+mismatch) or at the end of the forward or backward: the step raises before its gradients are
+reduced. A group small enough goes this way even alone (a bucket of one; in the first
 iteration, with no order recorded yet, every one): on a rank that got out of step, its gather
 may meet a bucket of several, even the other phase's (a rank that skipped a block in forward
 starts its backward one collective early). A group too large to join, or one that cannot, keeps
 its own gather: against a coalesced one it is a size mismatch, as between two plain gathers of
-different groups and sizes, which gloo aborts on. The cost: each coalesced gather moves the fixed size
-(gloo, 2 ranks, loaded CPU: 248 us for a 256 KiB output against 175 us for 4 KiB; one gather
+different groups and sizes, which gloo aborts on. The cost: each coalesced gather moves the
+fixed size (gloo, 2 ranks, loaded CPU: 248 us for a 256 KiB output against 175 us for 4 KiB; one gather
 saved is ~170 us), which the budget's choice must weigh. The collective's label names its groups
 (``"a+b+c"``, a long run elided to its first two and last): the hang report and the collective
 checks see one collective, named.

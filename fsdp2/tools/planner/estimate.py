@@ -66,17 +66,18 @@ class Schedule:
     (in backward: before it) while each is joinable, compatible (same process group and gather
     dtype), still sharded and the gather outputs stay within the budget; backward takes only
     groups that resharded after forward and gather in backward. A guessed prefetch (on
-    accelerators) forms its bucket the same way from the group it prefetches. In backward a reduce-scatter that may join is held; the next joins it while
-    compatible (process group, reduce dtype, op) and the inputs fit the budget, else the held
-    bucket is issued first; the rest is issued at the end of backward. A group alone over the
-    budget is issued alone. The engine gathers at one fixed size per root (a header, then the
-    aligned shards: ``coalesce.fixed_send_bytes``): the members' aligned sends fill that size,
-    and a group that fits goes that way even alone. Memory: a bucket's shared
-    output lives from its gather until its last member copies out (a member backward never
-    reaches: the end of backward), beside its send buffer and, on gloo, a temporary the
-    output's size while it runs; held reduce-scatter inputs (with their outputs) live until
-    their bucket is issued, when they are copied into one input (counted at the reduction that
-    issues it; the one at the end of backward is taken to peak lower).
+    accelerators) forms its bucket the same way from the group it prefetches. In backward a
+    reduce-scatter that may join is held; the next joins it while compatible (process group,
+    reduce dtype, op) and the inputs fit the budget, else the held bucket is issued first; the
+    rest is issued at the end of backward. A group alone over the budget is issued alone. The
+    engine gathers at one fixed size per root (a header, then the aligned shards:
+    ``coalesce.fixed_send_bytes``): the members' aligned sends fill that size, and a group that
+    fits goes that way even alone. Memory: a bucket's shared output lives from its gather until
+    its last member copies out (a member backward never reaches: the end of backward), beside
+    its send buffer and, on gloo, a temporary the output's size while it runs; held
+    reduce-scatter inputs (with their outputs) live until their bucket is issued, when they are
+    copied into one input (counted at the reduction that issues it; the one at the end of
+    backward is taken to peak lower).
     """
 
     def __init__(
