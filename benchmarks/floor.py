@@ -18,6 +18,13 @@ slice): ``plain`` (no FSDP and no communication: this rank's compute and optimiz
 (``fully_shard``) and ``torch (again)``, whose distance from the first torch copy is the noise
 floor. Losses are printed first: ``least`` must train exactly like
 the others, or its time means nothing.
+
+Build order matters at one rank. Where in the process a contender's model is built moves its
+step by up to ~10% on this machine: two copies of fsdp2 in one process differ by that much with
+the same instruction count and the same simulated cache misses (valgrind), so it is the memory
+layout, not the code. ``--rotate R`` builds the models starting from the R-th contender;
+``--all-rotations`` (one rank) runs every rotation in a fresh process and prints each ratio's
+median over them, the figure to quote. With torchrun, run ``--rotate R`` for each R.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -49,7 +57,38 @@ parser.add_argument("--layers", type=int, default=DEFAULT_SIZES["mlp-stack"].lay
 parser.add_argument("--batch", type=int, default=16, help="global batch (%(default)s)")
 parser.add_argument("--rounds", type=int, default=12, help="timing rounds (%(default)s)")
 parser.add_argument("--steps", type=int, default=4, help="steps per round each (%(default)s)")
+parser.add_argument("--rotate", type=int, default=0, help="build from the R-th contender (0)")
+parser.add_argument(
+    "--all-rotations", action="store_true", help="one rank: every --rotate, fresh processes"
+)
 args = parser.parse_args()
+NAMES = ["plain", "least", "fsdp2", "fsdp2 coal.", "torch", "torch (again)"]
+
+
+def all_rotations() -> None:
+    """Run this script once per build order and print the ratios' medians over the runs."""
+    if "RANK" in os.environ:
+        sys.exit("--all-rotations runs one-rank processes itself; with torchrun, use --rotate R")
+    runs: list[dict[str, float]] = []
+    for r in range(len(NAMES)):
+        sizes = {"--layers": args.layers, "--batch": args.batch}
+        sizes.update({"--rounds": args.rounds, "--steps": args.steps, "--rotate": r})
+        argv = [sys.executable, __file__, *(str(x) for kv in sizes.items() for x in kv)]
+        env = dict(os.environ, MASTER_PORT=str(29571 + r))
+        out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stdout
+        print("\n".join(x for x in out.splitlines() if not x.startswith("RESULT ")), flush=True)
+        line = next(x for x in out.splitlines() if x.startswith("RESULT "))
+        runs.append({k: float(v) for k, v in (kv.split("=") for kv in line[7:].split("\t"))})
+    print(f"\nmedian over {len(runs)} build orders (ratios of medians, wall)")
+    for name in NAMES:
+        least = statistics.median(run[name] / run["least"] for run in runs)
+        torch_ = statistics.median(run[name] / run["torch"] for run in runs)
+        print(f"{name:14s} {least:5.2f}× least   {torch_:5.2f}× torch")
+
+
+if args.all_rotations:
+    all_rotations()
+    sys.exit(0)
 
 if "RANK" not in os.environ:  # plain `python`: a one-rank group
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29571")
@@ -229,8 +268,9 @@ def contender(name: str) -> Callable[[], float]:
 
 
 budget = coalesce_bytes()  # the default, or FSDP2_COALESCE_BYTES
-names = ["plain", "least", "fsdp2", "fsdp2 coal.", "torch", "torch (again)"]
-steps = {name: contender(name) for name in names}
+names = NAMES
+built = names[args.rotate % len(names) :] + names[: args.rotate % len(names)]
+steps = {name: contender(name) for name in built}
 losses = {name: [f"{steps[name]():.6f}" for _ in range(3)] for name in names}
 if rank == 0:
     for name in names:
@@ -255,6 +295,8 @@ if rank == 0:
             f"   {median[name] / median['torch']:5.2f}× torch"
         )
     noise = abs(median["torch (again)"] / median["torch"] - 1)
-    print(f"noise floor (torch vs torch again): {noise:.1%}", flush=True)
+    print(f"noise floor (torch vs torch again): {noise:.1%}")
+    print(f"built in this order: {', '.join(built)}")
+    print("RESULT " + "\t".join(f"{name}={median[name]:.4f}" for name in names), flush=True)
 dist.barrier()
 dist.destroy_process_group()

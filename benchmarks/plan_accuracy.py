@@ -84,7 +84,11 @@ if rank == 0:
     print(f"last rank held: measured {helds[-1]} B vs planned {last} B + {steps} B")
     print(
         f"measured peak {peak / MiB:.3f} MiB (step start {start / MiB:.3f}) vs planned "
-        f"{plan.peak_bytes / MiB:.3f} MiB ({(plan.peak_bytes / peak - 1) * 100:+.1f}%)"
+        f"{plan.peak_bytes / MiB:.3f} MiB ({(plan.peak_bytes / peak - 1) * 100:+.1f}%)",
+        flush=True,
     )
 if world > 1:
+    # Reported before any rank tears down: a gloo rank that aborts in teardown gets the others
+    # killed, and rank 0's buffered output would go with it.
+    dist.barrier()
     dist.destroy_process_group()

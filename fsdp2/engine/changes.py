@@ -35,8 +35,25 @@ class _Replacement(NamedTuple):
 
 def take_up_changes(group: FSDPParamGroup) -> None:
     """Adopt parameters assigned on the group's modules, then follow ``requires_grad``."""
+    if _unchanged(group):
+        return
     _adopt_replaced(group)
     _follow_requires_grad(group)
+
+
+def _unchanged(group: FSDPParamGroup) -> bool:
+    """Whether every slot holds the parameter fsdp2 registered there, with the ``requires_grad``
+    it last saw: then the two passes below would find nothing. Asked at every forward, one loop
+    instead of their two."""
+    gathered = group.state is ShardedState.UNSHARDED
+    for fsdp_param in group.fsdp_params:
+        registered = fsdp_param.unsharded_param if gathered else fsdp_param.sharded_param
+        if registered.requires_grad is not fsdp_param.requires_grad:
+            return False
+        for params, name in fsdp_param.slots:
+            if params.get(name) is not registered:
+                return False
+    return True
 
 
 def _follow_requires_grad(group: FSDPParamGroup) -> None:

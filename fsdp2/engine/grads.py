@@ -19,9 +19,11 @@ def accumulate_grad(fsdp_param: FSDPParam, local: torch.Tensor) -> None:
     """Hand a reduced shard to the sharded parameter: as its gradient, or added to it; then run
     the parameter's post-accumulate-grad hooks (optimizer-in-backward steps there), once per
     backward, as autograd runs them for a plain parameter."""
-    if fsdp_param.frozen():
-        return  # frozen after its forward: as in plain PyTorch, it gets no gradient
     param = fsdp_param.sharded_param
+    if not (param.requires_grad and fsdp_param.unsharded_param.requires_grad):
+        # Frozen, by requires_grad_ on either parameter, maybe since its forward: as in plain
+        # PyTorch, it gets no gradient.
+        return
     if param.grad is None:
         param.grad = fsdp_param.make_grad(local)
     elif isinstance(param.grad, DTensor):
@@ -31,8 +33,10 @@ def accumulate_grad(fsdp_param: FSDPParam, local: torch.Tensor) -> None:
             f"fsdp2 expected the gradient of {fsdp_param.fqn} to be None or a DTensor, found a "
             f"{type(param.grad).__name__}; assign gradients as DTensors or set them to None"
         )
-    for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
-        hook(param)
+    hooks = param._post_accumulate_grad_hooks  # None until one is registered
+    if hooks:
+        for hook in hooks.values():
+            hook(param)
 
 
 def hand_over(reduced: list[Reduced]) -> None:

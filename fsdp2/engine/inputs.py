@@ -19,7 +19,10 @@ never fire (its inputs not needed by this backward) keeps the group gathered unt
 backward: memory, never correctness.
 
 The hook runs first among its tensor's hooks, before the pre-backward hook of the module that
-produced the tensor, so that a block reshards before the block before it gathers.
+produced the tensor, so that a block reshards before the block before it gathers. Where that
+pre-backward hook is already the tensor's first (a block's input is the block before's output),
+the input hook joins it (``OutputHook``) instead of adding a hook of its own: the same order, one
+Python hook per tensor instead of two, nothing to re-order or remove.
 
 A call's record holds its inputs' autograd nodes (to ask the engine which will run), and the
 hooks find it by index, never by reference: node → hook → record → node would be a cycle through
@@ -31,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.autograd.graph import Node, get_gradient_edge
@@ -39,7 +42,9 @@ from torch.utils.hooks import RemovableHandle
 
 from fsdp2.engine.tree import tensors_in
 
-__all__ = ["InputHooks"]
+__all__ = ["InputHooks", "OutputHook", "hook_output"]
+
+_OUTPUT_HOOK = "_fsdp2_output_hook"  # the tensor attribute naming its OutputHook
 
 
 def _will_run(node: Node) -> bool:
@@ -70,6 +75,7 @@ class InputHooks:
         self.on_done = on_done  # a call's backward finished (maybe the last one)
         self._calls: list[_Call] = []
         self._handles: list[RemovableHandle] = []
+        self._joined: list[tuple[OutputHook, Callable[[torch.Tensor], None]]] = []
         self._generation = 0  # bumped when records are dropped: older hooks do nothing
         self._round: object = None
 
@@ -92,7 +98,12 @@ class InputHooks:
         self._calls.append(_Call([t.grad_fn or get_gradient_edge(t).node for t in tensors]))
         fn = partial(self._fired, self._generation, index)
         for t in tensors:
-            self._handles.append(_prepend_hook(t, fn))
+            joined = OutputHook.first_on(t)
+            if joined is not None:
+                joined.before.insert(0, fn)  # before every input hook already there, too
+                self._joined.append((joined, fn))
+            else:
+                self._handles.append(_prepend_hook(t, fn))
         return tensors
 
     def hold(self) -> None:
@@ -102,13 +113,18 @@ class InputHooks:
     def clear(self) -> None:
         for handle in self._handles:
             handle.remove()
-        self._handles, self._calls = [], []
+        for hook, fn in self._joined:
+            hook.before.remove(fn)
+        self._handles, self._joined, self._calls = [], [], []
         self._generation += 1
 
     def done(self) -> bool:
         """Whether every recorded call's backward is done in the running graph task."""
         task = torch._C._current_graph_task_id()
-        return all(call.done_in == task for call in self._calls)
+        for call in self._calls:  # a loop, not all(<generator>): asked twice per group and step
+            if call.done_in != task:
+                return False
+        return True
 
     def _fired(self, generation: int, index: int, grad: torch.Tensor) -> None:
         if generation != self._generation:
@@ -125,6 +141,45 @@ class InputHooks:
         if call.left <= 0 and call.done_in != task:
             call.done_in = task
             self.on_done()
+
+
+class OutputHook:
+    """A module's pre-backward hook on one of its output tensors (``hook_output``), which first
+    runs the input hooks that joined it (``before``, newest first, as prepending puts them)."""
+
+    __slots__ = ("before", "key", "pre_backward")
+
+    def __init__(self, pre_backward: Callable[[torch.Tensor], None]) -> None:
+        self.pre_backward = pre_backward
+        self.before: list[Callable[[torch.Tensor], None]] = []
+        self.key = -1  # its handle's id: its key in the tensor's hooks dict
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        for fn in tuple(self.before):  # a snapshot: a hook that runs may add one
+            fn(grad)
+        self.pre_backward(grad)
+
+    @staticmethod
+    def first_on(t: torch.Tensor) -> OutputHook | None:
+        """The ``OutputHook`` on ``t`` if it is the first of ``t``'s hooks (the engine runs them
+        in the dict's order), so that joining it is prepending; else ``None``."""
+        hook = t.__dict__.get(_OUTPUT_HOOK)
+        if hook is None:
+            return None
+        hooks = t._backward_hooks
+        if not hooks or next(iter(hooks)) != hook.key:
+            return None
+        return cast(OutputHook, hook)
+
+
+def hook_output(t: torch.Tensor, pre_backward: Callable[[torch.Tensor], None]) -> None:
+    """``t.register_hook(pre_backward)``, as an ``OutputHook`` that input hooks can join."""
+    hook = OutputHook(pre_backward)
+    hook.key = t.register_hook(hook).id  # type: ignore[no-untyped-call]
+    try:
+        t.__dict__[_OUTPUT_HOOK] = hook
+    except (AttributeError, TypeError):
+        pass  # a tensor without a __dict__: input hooks on it are prepended instead
 
 
 def _prepend_hook(t: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> RemovableHandle:

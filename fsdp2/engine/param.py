@@ -285,19 +285,20 @@ class FSDPParam:
         self._hook()
         return True
 
-    def frozen(self) -> bool:
-        """Frozen now, by ``requires_grad_`` on either parameter (possibly since its forward)."""
-        return not (self.sharded_param.requires_grad and self.unsharded_param.requires_grad)
-
     def register(self, param: nn.Parameter, replacing: nn.Parameter | None = None) -> None:
         """Put ``param`` in every slot. With ``replacing``, first check that each slot still
         holds it (a parameter the user assigned meanwhile must not vanish silently), and carry
         over its ``requires_grad``: the user may have changed it on the one they could see."""
+        slots = self.slots
         if replacing is not None:
-            self.check_slots(replacing)
-            if param.requires_grad != replacing.requires_grad:
-                param.requires_grad_(replacing.requires_grad)
-        for params, name in self.slots:
+            # check_slots, inlined: four times per parameter and step
+            for params, name in slots:
+                if params.get(name) is not replacing:
+                    self.check_slots(replacing)
+            wanted = replacing.requires_grad
+            if param.requires_grad is not wanted:
+                param.requires_grad_(wanted)
+        for params, name in slots:
             params[name] = param
 
     def check_slots(self, expected: nn.Parameter) -> None:

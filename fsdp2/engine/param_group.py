@@ -60,6 +60,10 @@ class ShardedState(Enum):
     UNSHARDED = auto()  # after the all-gather is copied out: the full parameters are allocated
     K_SHARDED = auto()  # after forward with reshard_after_forward=k: W/k chunks kept for backward
 
+    # Members are singletons: hash by identity, in C. Enum's own __hash__ is Python code, run
+    # at every state change (several times per group and step).
+    __hash__ = object.__hash__
+
 
 # The states each state may be entered from. reshard() is allowed anywhere (a no-op when
 # sharded); a k-rank block is cut only from the full parameters.

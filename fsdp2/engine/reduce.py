@@ -210,7 +210,10 @@ class GradientReducer:
         )
 
     def has_unreduced_grads(self) -> bool:
-        return any(map(self._has_grad, self.layout.trainable))
+        for fsdp_param in self.layout.trainable:  # _has_grad, inlined: per group and step
+            if fsdp_param.unsharded_param.grad is not None or fsdp_param.unreduced is not None:
+                return True
+        return False
 
     def reduces_at_end(self) -> bool:
         """Whether the end of backward (or pipelining's ``post_backward``) still has to reduce

@@ -22,7 +22,7 @@ from torch._compile import _disable_dynamo
 from fsdp2.engine.agreement import check_materialized
 from fsdp2.engine.changes import take_up_changes
 from fsdp2.engine.coalesce import coalesce_bytes, gather_with_following
-from fsdp2.engine.inputs import InputHooks
+from fsdp2.engine.inputs import InputHooks, hook_output
 from fsdp2.engine.iteration import IterContext, trace
 from fsdp2.engine.param_group import FSDPParamGroup
 from fsdp2.engine.policies import MixedPrecisionPolicy, cast_floats
@@ -61,6 +61,10 @@ class TrainingState(Enum):
     # Read as "not PRE_BACKWARD": a checkpoint recomputing its forward now gathers it again
     # and hooks the outputs; and as "not IDLE": summon_full_params refuses to run.
     POST_BACKWARD = auto()
+
+    # Members are singletons: hash by identity, in C. Enum's own __hash__ is Python code, run
+    # at every state change (several times per group and step).
+    __hash__ = object.__hash__
 
 
 _ANY = frozenset(TrainingState)
@@ -321,7 +325,7 @@ class FSDPState:
             tensors = tensors_in(output)
         for tensor in tensors:
             if tensor.requires_grad:
-                tensor.register_hook(self._pre_backward)  # type: ignore[no-untyped-call]
+                hook_output(tensor, self._pre_backward)
         return output
 
     # -- backward ---------------------------------------------------------------------------------
