@@ -29,6 +29,22 @@ __all__ = ["FSDPParamGroup", "InFlightGather", "ShardedState", "SharedOutput"]
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
+_G = TypeVar("_G")
+
+
+# Bound once: the wrappers below run several times per group and step.
+_inference_mode = torch.is_inference_mode_enabled
+_functorch_active = torch._C._are_functorch_transforms_active
+
+
+def _plain_mode(inference: bool, functorch: bool) -> contextlib.ExitStack:
+    """Leave inference mode and functorch transforms, as far as they are on."""
+    stack = contextlib.ExitStack()
+    if inference:
+        stack.enter_context(torch.inference_mode(False))
+    if functorch:
+        stack.enter_context(torch._C._DisableFuncTorch())
+    return stack
 
 
 def _plain_tensors(method: Callable[_P, _R]) -> Callable[_P, _R]:
@@ -39,16 +55,26 @@ def _plain_tensors(method: Callable[_P, _R]) -> Callable[_P, _R]:
 
     @functools.wraps(method)
     def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        inference = torch.is_inference_mode_enabled()
-        functorch = torch._C._are_functorch_transforms_active()
+        inference, functorch = _inference_mode(), _functorch_active()
         if not inference and not functorch:  # the common case: no context to enter
             return method(*args, **kwargs)
-        with contextlib.ExitStack() as stack:
-            if inference:
-                stack.enter_context(torch.inference_mode(False))
-            if functorch:
-                stack.enter_context(torch._C._DisableFuncTorch())
+        with _plain_mode(inference, functorch):
             return method(*args, **kwargs)
+
+    return wrapper
+
+
+def _plain_method(method: Callable[[_G], None]) -> Callable[[_G], None]:
+    """``_plain_tensors`` for a method of no arguments: a plain call, not ``*args, **kwargs``
+    (a third of the cost, for methods called several times per group and step)."""
+
+    @functools.wraps(method)
+    def wrapper(self: _G) -> None:
+        inference, functorch = _inference_mode(), _functorch_active()
+        if not inference and not functorch:
+            return method(self)
+        with _plain_mode(inference, functorch):
+            return method(self)
 
     return wrapper
 
@@ -185,7 +211,7 @@ class FSDPParamGroup:
 
     # -- unshard / reshard -----------------------------------------------------------------------
 
-    @_plain_tensors
+    @_plain_method
     def unshard(self) -> None:
         """Start gathering the full parameters (no-op if unsharded or already under way)."""
         if self.state is ShardedState.UNSHARDED or self._gather is not None:
@@ -237,7 +263,7 @@ class FSDPParamGroup:
             )
         self._gather = gather
 
-    @_plain_tensors
+    @_plain_method
     def wait_for_unshard(self) -> None:
         """Finish the gather, if any, and register the unsharded parameters on the modules."""
         if self.state is ShardedState.UNSHARDED:
@@ -264,13 +290,13 @@ class FSDPParamGroup:
             fsdp_param.register(fsdp_param.unsharded_param, replacing=fsdp_param.sharded_param)
         self._enter(ShardedState.UNSHARDED)
 
-    @_plain_tensors
+    @_plain_method
     def reshard(self) -> None:
         """Register the sharded parameters again and free the unsharded storage."""
         self._release(ShardedState.SHARDED)
         self._k_block = None
 
-    @_plain_tensors
+    @_plain_method
     def reshard_to_k(self) -> None:
         """Reshard, but keep this rank's block of W/k ranks' chunks so that backward gathers
         within a k-rank group (``reshard_after_forward=k``)."""
@@ -279,7 +305,9 @@ class FSDPParamGroup:
             or self.settings.k_group is None
             or self.layout.ext_params
         ):
-            self.reshard()
+            # reshard(), without its wrapper again: a call per group and forward
+            self._release(ShardedState.SHARDED)
+            self._k_block = None
             return
         block = self.layout.k_block(*self.settings.k_rows)
         self._release(ShardedState.K_SHARDED)
