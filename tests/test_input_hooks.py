@@ -4,6 +4,9 @@ prepended to the tensor's hooks (inputs.py)."""
 
 from __future__ import annotations
 
+import io
+import warnings
+
 import pytest
 import torch
 
@@ -43,3 +46,14 @@ def test_input_hooks_run_first(user_hook_first: bool, consumers: int) -> None:
     if joined:
         hook = OutputHook.first_on(t)
         assert hook is not None and hook.before == []
+
+
+def test_saving_a_hooked_output_saves_no_hook() -> None:
+    """The hook lives in the tensor's hooks, not in its attributes, which torch.save pickles:
+    saving a model's output (a loss, logits) must not try to pickle the module state."""
+    x = torch.randn(3, requires_grad=True)
+    t = x * 2
+    hook_output(t, lambda g: None)  # a lambda: pickling it would raise
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nor warn that the hook is not saved: it is fsdp2's
+        torch.save(t, io.BytesIO())

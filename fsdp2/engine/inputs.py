@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch.autograd.graph import Node, get_gradient_edge
@@ -43,8 +43,6 @@ from torch.utils.hooks import RemovableHandle
 from fsdp2.engine.tree import tensors_in
 
 __all__ = ["InputHooks", "OutputHook", "hook_output"]
-
-_OUTPUT_HOOK = "_fsdp2_output_hook"  # the tensor attribute naming its OutputHook
 
 
 def _will_run(node: Node) -> bool:
@@ -147,12 +145,14 @@ class OutputHook:
     """A module's pre-backward hook on one of its output tensors (``hook_output``), which first
     runs the input hooks that joined it (``before``, newest first, as prepending puts them)."""
 
-    __slots__ = ("before", "key", "pre_backward")
+    __slots__ = ("before", "pre_backward")
+    # torch.save of a hooked output (a loss, logits) skips the hook without a warning: it is
+    # fsdp2's bookkeeping for this backward, not something the user put there to keep.
+    __torch_unserializable__ = True
 
     def __init__(self, pre_backward: Callable[[torch.Tensor], None]) -> None:
         self.pre_backward = pre_backward
         self.before: list[Callable[[torch.Tensor], None]] = []
-        self.key = -1  # its handle's id: its key in the tensor's hooks dict
 
     def __call__(self, grad: torch.Tensor) -> None:
         for fn in tuple(self.before):  # a snapshot: a hook that runs may add one
@@ -161,25 +161,20 @@ class OutputHook:
 
     @staticmethod
     def first_on(t: torch.Tensor) -> OutputHook | None:
-        """The ``OutputHook`` on ``t`` if it is the first of ``t``'s hooks (the engine runs them
-        in the dict's order), so that joining it is prepending; else ``None``."""
-        hook = t.__dict__.get(_OUTPUT_HOOK)
-        if hook is None:
-            return None
+        """The first of ``t``'s hooks (the engine runs them in the dict's order) if it is an
+        ``OutputHook``, so that joining it is prepending; else ``None``. Found in the hooks
+        themselves, not in an attribute on ``t``: ``torch.save`` and ``deepcopy`` copy a
+        tensor's attributes, and would take the hook, and the module state behind it, along."""
         hooks = t._backward_hooks
-        if not hooks or next(iter(hooks)) != hook.key:
+        if not hooks:
             return None
-        return cast(OutputHook, hook)
+        first = next(iter(hooks.values()))
+        return first if type(first) is OutputHook else None
 
 
 def hook_output(t: torch.Tensor, pre_backward: Callable[[torch.Tensor], None]) -> None:
     """``t.register_hook(pre_backward)``, as an ``OutputHook`` that input hooks can join."""
-    hook = OutputHook(pre_backward)
-    hook.key = t.register_hook(hook).id  # type: ignore[no-untyped-call]
-    try:
-        t.__dict__[_OUTPUT_HOOK] = hook
-    except (AttributeError, TypeError):
-        pass  # a tensor without a __dict__: input hooks on it are prepended instead
+    t.register_hook(OutputHook(pre_backward))  # type: ignore[no-untyped-call]
 
 
 def _prepend_hook(t: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> RemovableHandle:
