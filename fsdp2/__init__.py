@@ -8,6 +8,7 @@ import the names from here.
 
 from fsdp2.api import (
     FSDPModule,
+    GradientReductionHandle,
     UnshardHandle,
     fully_shard,
     register_fsdp_forward_method,
@@ -44,6 +45,7 @@ __all__ = [
     "Comm",
     "DataParallelMeshDims",
     "FSDPModule",
+    "GradientReductionHandle",
     "LowPrecisionReduceScatter",
     "MixedPrecisionPolicy",
     "OffloadPolicy",

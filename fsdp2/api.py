@@ -15,7 +15,12 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fsdp2.engine.agreement import check_fully_shard
 from fsdp2.engine.mesh import MeshInfo, default_mesh, device_of, mesh_info
-from fsdp2.engine.module import FSDPModule, ReplicateModule, UnshardHandle
+from fsdp2.engine.module import (
+    FSDPModule,
+    GradientReductionHandle,
+    ReplicateModule,
+    UnshardHandle,
+)
 from fsdp2.engine.param import FSDPParam
 from fsdp2.engine.param_group import FSDPParamGroup
 from fsdp2.engine.policies import (
@@ -30,6 +35,7 @@ from fsdp2.engine.torch_state import register_torch_state, torch_state
 
 __all__ = [
     "FSDPModule",
+    "GradientReductionHandle",
     "UnshardHandle",
     "fully_shard",
     "register_fsdp_forward_method",
@@ -211,16 +217,19 @@ def _apply(
     label = ", ".join(type(m).__name__ for m in modules)
     slots = _managed_params(modules, ignored_params or set())
     # Before anything that could raise from this rank's own tensors: see agreement.py.
+    kept = {param: mp_policy.kept_dtype(param) for param in slots}
+    kept_names = [f"{slots[p][0]}: {dtype}" for p, dtype in kept.items() if dtype is not None]
     arguments = (
         f"{info.mesh}, reshard_after_forward={reshard_after_forward!r}, {mp_policy}, "
         f"{offload_policy}"
+        + (f", kept in their dtype: {', '.join(kept_names)}" if kept_names else "")
     )
     fqns = {param: fqn for param, (fqn, _) in slots.items()}
     meta_on_some_rank = check_fully_shard(label, fqns, info, device, arguments)
     # mesh (None: fully_shard's own) -> its parameters and their full tensors
     by_mesh: dict[DeviceMesh | None, tuple[list[FSDPParam], list[torch.Tensor]]] = {None: ([], [])}
     for param, (fqn, places) in slots.items():
-        fsdp_param = FSDPParam(param, places, fqn, label)
+        fsdp_param = FSDPParam(param, places, fqn, label, kept[param])
         mesh = None
         if shard_placement_fn is not None:
             fsdp_param.dim, mesh = _shard_choice(shard_placement_fn(param), param, fqn, info)

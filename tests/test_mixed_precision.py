@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import fsdp2
 from fsdp2 import MixedPrecisionPolicy
 from fsdp2.engine.collectives import record_collectives
+from fsdp2.engine.releases import RULES
 from tests.harness import fsdp_api, per_group_collectives, run_on_ranks
 from tests.models import MODELS, Batch, MLPStack, build_model
 from tests.parity import (
@@ -37,6 +38,11 @@ from tests.tolerance import BF16_TOL, SAME_ARITHMETIC, Tolerance
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 DTYPES = {"bf16": BF16, "fp16": FP16, "fp32": FP32, None: None}
+
+
+# reduce_dtype=None for fp32 parameters computed in bf16: torch 2.15 reduces and accumulates
+# in the parameters' dtype, earlier releases in param_dtype (fsdp2 follows the installed torch).
+DEFAULT_REDUCE = FP32 if RULES.reduce_dtype_follows_grad_dtype else BF16
 
 
 def shard_units(model: nn.Module, name: str, mp_policy: MixedPrecisionPolicy) -> None:
@@ -86,7 +92,7 @@ def _dtypes(reduce_dtype: str | None) -> dict[str, Any]:
     shapes = {f"blocks.{i}": list(b.parameters()) for i, b in enumerate(model.blocks)}
     shapes[""] = list(model.head.parameters())
     shard = {k: sum(padded_shard_numel(p.shape, world) for p in ps) for k, ps in shapes.items()}
-    reduce_bytes = (DTYPES[reduce_dtype] or BF16).itemsize
+    reduce_bytes = (DTYPES[reduce_dtype] or DEFAULT_REDUCE).itemsize
     expected = {("all_gather", k, n * 2, world * n * 2) for k, n in shard.items()}
     # Each rank's chunk ends with a flag per parameter ([Note: gradients on some ranks only]).
     chunk = {k: n + len(shapes[k]) for k, n in shard.items()}
@@ -344,7 +350,10 @@ def _accumulate(impl: str, reduce_dtype: str | None) -> list[float]:
     return module.w.grad.full_tensor().tolist()
 
 
-@pytest.mark.parametrize(("reduce_dtype", "expected"), [("fp32", 1 + NUM_TINY * TINY), (None, 1.0)])
+@pytest.mark.parametrize(
+    ("reduce_dtype", "expected"),
+    [("fp32", 1 + NUM_TINY * TINY), (None, 1 + NUM_TINY * TINY if DEFAULT_REDUCE == FP32 else 1.0)],
+)
 @pytest.mark.parametrize("impl", ["fsdp2", "torch"])
 def test_accumulation_keeps_sum_in_reduce_dtype(
     impl: str, reduce_dtype: str | None, expected: float

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp2
 from fsdp2.engine.collectives import record_collectives
+from fsdp2.engine.releases import RULES
 from fsdp2.tools.swap import unpatch_torch_fsdp
 from tests.harness import IMPL_UNDER_TEST, per_group_collectives, run_on_ranks
 from tests.parity import CollectiveCounter
@@ -45,6 +46,15 @@ SCHEDULES: dict[str, Any] = {
     "1f1b": Schedule1F1B,
     "interleaved": ScheduleInterleaved1F1B,  # two stages per rank, UNSHARD/RESHARD actions
 }
+# torch 2.15's additions to the schedules, which drive FSDP through set_manual_backward_
+# finalization / finalize_backward: each optimizer step as two step() calls, the first with
+# finalize_gradients=False (gradients accumulate unreduced across the calls); and the
+# interleaved schedule waiting for each stage's reduction only later (defer_reduce_grad_wait).
+CASES = [(name, None) for name in sorted(SCHEDULES)] + [
+    ("1f1b", "accumulate"),
+    ("interleaved", "accumulate"),
+    ("interleaved", "deferred"),
+]
 GROUPS = ["", "blocks.0", "blocks.1"]  # one per fully_shard call of a stage: root, blocks
 # torch's fully_shard; fsdp2 through patch_torch_fsdp(); fsdp2 through its own import.
 WAYS = ("torch", "patched", "import")
@@ -81,7 +91,7 @@ def _fully_shard_for(way: str) -> Iterator[Any]:
 
 
 @per_group_collectives  # counted against torch's, which gathers each group alone
-def _train(way: str, schedule: str) -> dict[str, Any]:
+def _train(way: str, schedule: str, variant: str | None = None) -> dict[str, Any]:
     """Train ``NUM_STEPS`` steps; per step: losses, collectives, gradients; then parameters."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -110,23 +120,28 @@ def _train(way: str, schedule: str) -> dict[str, Any]:
                     model, index, num_stages, torch.device("cpu"), group=mesh["pp"].get_group()
                 )
             )
+        extra = {"defer_reduce_grad_wait": True} if variant == "deferred" else {}
         sched = SCHEDULES[schedule](
             stages if schedule == "interleaved" else stages[0],
             n_microbatches=NUM_MICRO,
             loss_fn=lambda y, t: (y - t).pow(2).mean(),
+            **extra,
         )
+        calls = 2 if variant == "accumulate" else 1
         params = [p for model in models for p in model.parameters()]
         opt = torch.optim.SGD(params, lr=0.5)
         gen = torch.Generator().manual_seed(1)
         for _ in range(NUM_STEPS):
             # The global batch on every rank; each dp rank takes its half.
-            x, y = torch.randn(2, 2, NUM_MICRO * MICRO_BATCH, DIM, generator=gen)[:, dp]
+            batches = torch.randn(calls, 2, 2, NUM_MICRO * MICRO_BATCH, DIM, generator=gen)
             losses: list[torch.Tensor] = []
             with CollectiveCounter() as counter, record_collectives() as records:
-                if pp == 0:
-                    sched.step(x)
-                else:
-                    sched.step(target=y, losses=losses)
+                for call, (x, y) in enumerate(batches[:, :, dp]):
+                    last = {"finalize_gradients": False} if call < calls - 1 else {}
+                    if pp == 0:
+                        sched.step(x, **last)
+                    else:
+                        sched.step(target=y, losses=losses, **last)
             out["losses"].append([loss.item() for loss in losses])
             out["counts"].append(dict(counter.counts))
             out["reduce_scatters"].append(
@@ -143,17 +158,21 @@ def _train(way: str, schedule: str) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
-def test_pipelining_trains_as_torch(schedule: str) -> None:
+@pytest.mark.parametrize(
+    ("schedule", "variant"), CASES, ids=[f"{s}-{v}" if v else s for s, v in CASES]
+)
+def test_pipelining_trains_as_torch(schedule: str, variant: str | None) -> None:
+    if variant is not None and not RULES.stage_finalizes_backward:
+        pytest.skip(f"{variant}: a schedule option of torch 2.15's pipelining")
     ways = WAYS if IMPL_UNDER_TEST == "fsdp2" else ("torch",)
-    runs = {way: run_on_ranks(4, _train, way, schedule, timeout=120) for way in ways}
+    runs = {way: run_on_ranks(4, _train, way, schedule, variant, timeout=120) for way in ways}
     reference = runs["torch"]
     groups = sorted(GROUPS * (2 if schedule == "interleaved" else 1))  # of this rank's stages
     for rank, ref in enumerate(reference):
         # torch's own path: gradient sync deferred to one reduce-scatter per group and step.
         reduce_scatters = [c.get("reducescatter", 0) for c in ref["counts"]]
         assert reduce_scatters == [len(groups)] * NUM_STEPS, ref["counts"]
-        assert len(ref["losses"][-1]) == (NUM_MICRO if rank >= 2 else 0)
+        assert len(ref["losses"][-1]) == (NUM_MICRO if rank >= 2 else 0)  # the last call's
     for way in ways[1:]:
         for rank, (got, ref) in enumerate(zip(runs[way], reference, strict=True)):
             where = f"{way}, {schedule}, rank {rank}"
@@ -224,12 +243,25 @@ def _patch_and_unpatch() -> list[str]:
     import torch.distributed.fsdp as public
     import torch.distributed.pipelining.stage as stage_module
 
-    before = (public.fully_shard, stage_module.fully_shard, stage_module.FSDPModule)
+    # The names the stage imported from torch's FSDP2: fully_shard up to 2.14, only the classes
+    # from 2.15 (which drives FSDP through FSDPModule's methods).
+    names = [
+        n
+        for n in ("fully_shard", "FSDPModule", "GradientReductionHandle")
+        if hasattr(stage_module, n)
+    ]
+
+    def seen() -> list[object]:
+        return [public.fully_shard] + [getattr(stage_module, n) for n in names]
+
+    before = seen()
     fsdp2.patch_torch_fsdp()
-    patched = stage_module.fully_shard is fsdp2.fully_shard
+    patched = [n for n in names if getattr(stage_module, n) is not getattr(fsdp2, n)]
     unpatch_torch_fsdp()
-    after = (public.fully_shard, stage_module.fully_shard, stage_module.FSDPModule)
-    return [] if patched and after == before else [f"patched={patched}", f"{after} != {before}"]
+    after = seen()
+    return (
+        [] if not patched and after == before else [f"unpatched: {patched}", f"{after} != {before}"]
+    )
 
 
 @pytest.mark.usefixtures("fsdp2_only")

@@ -5,6 +5,16 @@ the order groups ran in (see [Note: prefetch order] in prefetch.py), the reduce-
 flight (and those held to be coalesced: [Note: coalesced reduce-scatters]), the reduced shards
 waiting for the end of backward, and the end-of-backward callback, which finishes what the
 per-module hooks left and ends every state's iteration.
+
+[Note: manual backward finalization]
+By default the end of each backward reduces what the hooks left and, unless
+``set_is_last_backward(False)``, waits for every reduction. With
+``set_manual_backward_finalization(True)`` on the root (torch 2.15's API; its pipeline stages turn
+it on) the caller owns that end: a backward's end only stashes the gradients of groups without
+sync, and ``finalize_backward()`` later reduces what is left, group by group in backward's order,
+then waits (or returns a handle whose ``wait()`` does). The mode is fixed when a backward begins
+and holds until the iteration is finalized or reset. Until an asynchronous finalization is
+waited for, a forward raises; a reset makes its handle raise.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ class Member(Protocol):
     states' type (``FSDPState``), so that it sits below ``state.py``, which builds it."""
 
     groups: list[FSDPParamGroup]
+    manual_finalization: bool  # the root's: set_manual_backward_finalization
 
     def end_backward(self, keep_gathered: bool) -> None:
         """The end of backward: the state's groups done with it, the state idle."""
@@ -74,6 +85,11 @@ class IterContext(Generic[_Member]):
         # part of a training step (a reentrant checkpoint's first pass), not an evaluation.
         self.training_forward = False
         self.is_last_backward = True
+        # See [Note: manual backward finalization]: the mode fixed when the current backward
+        # began (None between iterations), and the reduction an asynchronous finalize_backward
+        # started, until its handle's wait().
+        self.manual_active: bool | None = None
+        self.pending_reduction: object | None = None
         self.post_optim_event: torch.Event | None = None
         # Whether gathers may be coalesced (no explicit prefetch anywhere), and the iteration
         # that was decided in (FSDPState._may_coalesce).
@@ -88,6 +104,11 @@ class IterContext(Generic[_Member]):
             self.recording.append(group)
 
     def start_forward(self) -> None:
+        if self.pending_reduction is not None:
+            raise RuntimeError(
+                "fsdp2: forward started while the gradient reduction of "
+                "finalize_backward(async_op=True) is pending; call wait() on its handle first"
+            )
         if self.callback_queued:
             # The last backward never reached its end (it raised): recover before going on.
             self.reset()
@@ -106,6 +127,8 @@ class IterContext(Generic[_Member]):
     def queue_end_of_backward(self) -> None:
         if not self.callback_queued:
             self.callback_queued = True
+            if self.manual_active is None:
+                self.manual_active = self.states[0].manual_finalization
             Variable._execution_engine.queue_callback(self.end_of_backward)
 
     def reduce(self, reducer: GradientReducer, max_in_flight: int) -> None:
@@ -135,26 +158,60 @@ class IterContext(Generic[_Member]):
         trace("end_of_backward", "")
         run_deferred_checks()  # before stashing gradients that no collective will reduce
         keep_gathered = torch.is_grad_enabled()
+        manual = bool(self.manual_active)
         for group in self.groups:
             if not group.settings.requires_gradient_sync:
                 # A group whose module's backward did not finish in this backward (a list group
                 # where only one module ran: torchtitan's chunked loss on [norm, lm_head]) has not
                 # stashed yet; left in .grad, the next micro-step would sum in param_dtype.
                 group.reducer.stash_grads()
-            elif group.reducer.reduces_at_end():
+            elif not manual and group.reducer.reduces_at_end():  # manual: finalize_backward's
                 if group.settings.reshard_after_backward and not keep_gathered:
                     group.reshard()  # first, as in _finish_if_done: free before the collective
                 self.reduce(group.reducer, max_in_flight=1_000_000)
         self.held.flush(self, max_in_flight=1_000_000)  # before anything waits for a reduction
-        if self.is_last_backward:
-            while self.in_flight:
-                self.reduced.extend(self.in_flight.popleft().finish())
+        if self.is_last_backward and not manual:
+            self.wait_for_reductions()
         hand_over(self.reduced)
         self.reduced = []
         for state in self.states:
             state.end_backward(keep_gathered)
         self.callback_queued = False
         self.num_backwards += 1
+
+    def finish_group(self, group: FSDPParamGroup) -> None:
+        """Reduce the gradients ``group``'s backward passes left unreduced (summed over the
+        micro-batches that ran without sync), resharding first if it reshards after backward;
+        without gradient sync, fold them into the unreduced sum instead. Nothing left: only
+        the reshard. Pipelining's ``post_backward()`` and ``finalize_backward`` both end here."""
+        if group.settings.reshard_after_backward:
+            group.reshard()
+        if not group.settings.requires_gradient_sync:
+            group.reducer.stash_grads()
+        elif group.reducer.reduces_at_end():
+            self.reduce(group.reducer, group.settings.max_in_flight)
+
+    def finalize_backward(self) -> None:
+        """The first half of ``FSDPModule.finalize_backward``: every group finished, last group
+        first (backward's order), and the reductions issued, not waited for."""
+        for group in reversed(self.groups):
+            self.finish_group(group)
+        self.held.flush(self, max_in_flight=1_000_000)
+
+    def wait_for_reductions(self) -> None:
+        """Wait for every reduction in flight; the backward iteration is over. The reduced
+        shards are handed to the parameters by the caller (``hand_over``)."""
+        while self.in_flight:
+            self.reduced.extend(self.in_flight.popleft().finish())
+        self.manual_active = None
+
+    def end_finalization(self) -> None:
+        """The second half of ``finalize_backward`` (or its handle's ``wait()``): wait for the
+        reductions and hand the reduced shards to the parameters."""
+        self.wait_for_reductions()
+        hand_over(self.reduced)
+        self.reduced = []
+        self.pending_reduction = None
 
     def reset(self) -> None:
         """Forget a failed iteration: its collectives, its gradients, its unsharded parameters."""
@@ -167,3 +224,5 @@ class IterContext(Generic[_Member]):
             state.forget_iteration()
         self.callback_queued = False
         self.training_forward = False
+        self.manual_active = None
+        self.pending_reduction = None  # its handle's wait() now raises

@@ -38,6 +38,7 @@ from fsdp2.engine.mesh import MeshInfo
 from fsdp2.engine.packing import Packing
 from fsdp2.engine.param import FSDPParam, typed
 from fsdp2.engine.policies import CPUOffloadPolicy, MixedPrecisionPolicy
+from fsdp2.engine.releases import RULES
 
 __all__ = ["FlatLayout"]
 
@@ -139,6 +140,13 @@ class FlatLayout:
         if self.alias:
             self.make_unsharded_views()
 
+    def _reduce_dtype(self, dtype: torch.dtype, param_dtype: torch.dtype) -> torch.dtype:
+        """The reduce dtype of a parameter stored in ``dtype``, gathered in ``param_dtype``:
+        the policy's, or, where it names none, the installed torch's default."""
+        if self.mp_policy.reduce_dtype is not None:
+            return self.mp_policy.reduce_dtype
+        return dtype if RULES.reduce_dtype_follows_grad_dtype else param_dtype
+
     def make_unsharded_views(self) -> None:
         """Allocate the unsharded buffer and make the plain parameters' unsharded views of it."""
         shard_size = self.shard_size
@@ -160,12 +168,14 @@ class FlatLayout:
         offsets in those buffers (elements of the one dtype, or bytes: [Note: mixed dtypes])."""
         mp = self.mp_policy
         for p in self.params:  # mixed precision leaves non-floating dtypes alone
-            p.param_dtype = (mp.param_dtype if p.dtype.is_floating_point else None) or p.dtype
+            floating = p.dtype.is_floating_point
+            p.param_dtype = p.kept_dtype or (mp.param_dtype if floating else None) or p.dtype
         dtypes = {p.dtype for p in self.params}
-        self.mixed = len(dtypes) > 1
+        # Several dtypes stored, or gathered (param_dtype_override_fn): byte-packed buffers.
+        self.mixed = len(dtypes) > 1 or len({p.param_dtype for p in self.params}) > 1
         if self.mixed:
             self.dtype = self.param_dtype = torch.uint8
-            reduce_dtypes = [mp.reduce_dtype or p.param_dtype for p in self.trainable]
+            reduce_dtypes = [self._reduce_dtype(p.dtype, p.param_dtype) for p in self.trainable]
             self.reduce_dtype = (
                 functools.reduce(torch.promote_types, reduce_dtypes)
                 if reduce_dtypes
@@ -175,7 +185,9 @@ class FlatLayout:
             self.dtype = dtypes.pop() if dtypes else torch.float32
             floating = self.dtype.is_floating_point
             self.param_dtype = (mp.param_dtype if floating else None) or self.dtype
-            self.reduce_dtype = (mp.reduce_dtype if floating else None) or self.param_dtype
+            self.reduce_dtype = (
+                self._reduce_dtype(self.dtype, self.param_dtype) if floating else self.param_dtype
+            )
         if self.mixed:  # widest first: every chunk's offset is a multiple of its element size
             self.plain_params.sort(key=lambda p: -p.param_dtype.itemsize)
         # A mixed group casting some chunks gathers a packed copy, not its shard's bytes.
@@ -311,7 +323,7 @@ class FlatLayout:
                 f"wait_for_unshard '{self.label}': expected the unsharded buffer made by "
                 "unshard(), found None"
             )
-        flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+        packing.regrow(flat.untyped_storage(), flat.numel() * flat.element_size())
         # The copy-out writes the storage of tensors autograd saved in forward; their data
         # ends up as it was then (see [Note: freeing unsharded storage]).
         with torch.autograd._unsafe_preserve_version_counter(flat):  # type: ignore[attr-defined]

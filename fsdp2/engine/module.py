@@ -18,13 +18,21 @@ from fsdp2.engine.comm import (
     SymmMemAllGather,
     SymmMemReduceScatter,
 )
+from fsdp2.engine.iteration import IterContext
 from fsdp2.engine.param_group import FSDPParamGroup
 from fsdp2.engine.registry import STATE_ATTR
-from fsdp2.engine.state import STATES, FSDPState, state_of
+from fsdp2.engine.state import STATES, FSDPState, in_backward, state_of
 from fsdp2.engine.state_dict import check_state_dict
 from fsdp2.engine.traced import traced_forward
 
-__all__ = ["STATE_ATTR", "FSDPModule", "ReplicateModule", "UnshardHandle", "state_of"]
+__all__ = [
+    "STATE_ATTR",
+    "FSDPModule",
+    "GradientReductionHandle",
+    "ReplicateModule",
+    "UnshardHandle",
+    "state_of",
+]
 
 
 class FSDPModule:
@@ -114,6 +122,93 @@ class FSDPModule:
         arguments."""
         for group in self._groups(recurse=False):
             group.reshard()
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """Whether resharding keeps the unsharded parameters' storage (their data pointers
+        stay the same across reshard and unshard, as CUDA graph capture needs) instead of
+        freeing it; keeping costs the unsharded bytes between uses.
+
+        Args:
+            keep: ``True`` keeps the storage; ``False`` (default) frees it at every reshard.
+            recurse: every fsdp2 module under this one (default), or this one only.
+        """
+        for group in self._groups(recurse):
+            group.settings.keep_unsharded_storage = keep
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """Whether the caller ends each backward iteration with :meth:`finalize_backward`
+        instead of the end of backward doing it (pipeline schedules, which reduce gradients
+        as an action of their own). Call it on the root, before the backward; the mode cannot
+        change once a backward started, until that iteration is finalized or reset. It takes
+        precedence over :meth:`set_is_last_backward`.
+
+        Args:
+            enabled: ``True``: backward leaves the gradients of groups with gradient sync on
+                unreduced until :meth:`finalize_backward`; ``False`` (default): automatic.
+        """
+        state = self._get_fsdp_state()
+        ctx = state.ctx
+        if ctx is not None:
+            if not state.is_root:
+                raise RuntimeError(
+                    f"set_manual_backward_finalization was called on {type(self).__name__} "
+                    f"({state.fqn}), which is not the root fsdp2 module; call it on the module "
+                    "you run forward on"
+                )
+            if enabled != state.manual_finalization and in_backward():
+                raise RuntimeError(
+                    "set_manual_backward_finalization cannot change the mode during backward; "
+                    "call it before the forward"
+                )
+            if ctx.manual_active is not None and enabled != ctx.manual_active:
+                raise RuntimeError(
+                    "set_manual_backward_finalization cannot change the mode after a backward "
+                    "started: call finalize_backward() (or reset_iter_state()) first"
+                )
+        state.manual_finalization = enabled
+
+    def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
+        """End the backward iteration (with :meth:`set_manual_backward_finalization`): reduce
+        what the backward passes left unreduced, reshard the groups that reshard after
+        backward, and wait for the reductions. Call it on the root after the last backward of
+        the step, with gradient sync on, before reading the gradients. Before the first
+        forward it does nothing.
+
+        Args:
+            async_op: ``False`` (default) waits and returns ``None``; ``True`` returns a
+                :class:`GradientReductionHandle` whose ``wait()`` finishes (a forward before
+                that raises).
+        """
+        state = self._get_fsdp_state()
+        ctx = state.ctx
+        if ctx is None:
+            return GradientReductionHandle() if async_op else None
+        if ctx.pending_reduction is not None:
+            raise RuntimeError(
+                "finalize_backward: the previous finalize_backward(async_op=True) is still "
+                "pending; call wait() on its handle first"
+            )
+        if not state.is_root:
+            raise RuntimeError(
+                f"finalize_backward was called on {type(self).__name__} ({state.fqn}), which is "
+                "not the root fsdp2 module; call it on the module you run forward on"
+            )
+        manual = ctx.manual_active if ctx.manual_active is not None else state.manual_finalization
+        if not manual:
+            raise RuntimeError(
+                "finalize_backward needs manual backward finalization: call "
+                "set_manual_backward_finalization(True) on the root before the forward"
+            )
+        if ctx.callback_queued:
+            raise RuntimeError(
+                "finalize_backward was called during backward; call it after the backward completed"
+            )
+        ctx.finalize_backward()
+        if not async_op:
+            ctx.end_finalization()
+            return None
+        token = ctx.pending_reduction = object()
+        return GradientReductionHandle(ctx, token)
 
     def reset_iter_state(self) -> None:
         """After forward or backward raised: drop that iteration's collectives, gradients and
@@ -463,6 +558,32 @@ def _groups_of(modules: list[FSDPModule], direction: str) -> list[FSDPParamGroup
 class ReplicateModule(FSDPModule):
     """Mixed into every module ``replicate`` was applied to (as ``Replicate<OriginalClass>``),
     with :class:`FSDPModule`'s methods."""
+
+
+class GradientReductionHandle:
+    """Returned by ``FSDPModule.finalize_backward(async_op=True)``: ``wait()`` finishes the
+    gradient reduction and hands the reduced shards to the parameters.
+
+    Args:
+        ctx: the iteration whose reduction it waits for (fsdp2 builds it; users only
+            ``wait()``); ``None``: nothing to wait for.
+        token: that reduction, as the iteration knows it: a reset since makes ``wait()`` raise.
+    """
+
+    def __init__(self, ctx: IterContext[FSDPState] | None = None, token: object = None) -> None:
+        self._ctx = ctx
+        self._token = token
+
+    def wait(self) -> None:
+        ctx, self._ctx = self._ctx, None
+        if ctx is None:
+            return
+        if ctx.pending_reduction is not self._token:
+            raise RuntimeError(
+                "GradientReductionHandle.wait(): this gradient reduction was dropped by "
+                "reset_iter_state() (or a forward's recovery from a failed step)"
+            )
+        ctx.end_finalization()
 
 
 class UnshardHandle:

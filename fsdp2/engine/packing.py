@@ -125,7 +125,7 @@ def _outputs(
         fsdp_param.ext_outputs = kept
         fsdp_param.ext_inner = None  # new outputs: the post hook builds the parameter again
     for tensor in kept:
-        tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+        regrow(tensor.untyped_storage(), tensor.numel() * tensor.element_size())
     return tuple(kept)
 
 
@@ -143,7 +143,7 @@ def _rebuild_unsharded(
         fsdp_param.adopt_unsharded(nn.Parameter(tensor, requires_grad=fsdp_param.requires_grad))
         return
     for tensor, nbytes in fsdp_param.ext_inner:
-        tensor.untyped_storage().resize_(nbytes)
+        regrow(tensor.untyped_storage(), nbytes)
     # Refilling the very tensor autograd saved in forward (see [Note: freeing unsharded storage]).
     with torch.autograd._unsafe_preserve_version_counter(fsdp_param.unsharded_param):  # type: ignore[attr-defined]
         local.fsdp_post_all_gather(outputs, metadata, dtype, out=fsdp_param.unsharded_param)
@@ -158,6 +158,14 @@ def _subclass_view(fsdp_param: FSDPParam) -> Extension:
             f"{fsdp_param.fqn}: expected an all-gather extension subclass, found a plain tensor"
         )
     return cast("Extension", local if isinstance(local, subclass) else local.as_subclass(subclass))
+
+
+def regrow(storage: torch.UntypedStorage, nbytes: int) -> None:
+    """Give a freed storage its ``nbytes`` back. A CPU storage reallocates at every
+    ``resize_``: one kept at full size (``set_keep_unsharded_storage``) is left alone, so its
+    data pointer stays."""
+    if storage.nbytes() != nbytes:
+        storage.resize_(nbytes)
 
 
 def free(fsdp_param: FSDPParam) -> None:

@@ -50,9 +50,17 @@ class FSDPParam:
     """One managed parameter: its sharded ``DTensor`` parameter and its unsharded stand-in."""
 
     def __init__(
-        self, param: nn.Parameter, slots: list[tuple[nn.Module, str]], fqn: str, owner: str
+        self,
+        param: nn.Parameter,
+        slots: list[tuple[nn.Module, str]],
+        fqn: str,
+        owner: str,
+        kept_dtype: torch.dtype | None = None,
     ) -> None:
         self.fqn = fqn
+        # Gathered in this dtype whatever the mixed precision policy says (its
+        # param_dtype_override_fn kept the parameter in its own dtype at fully_shard).
+        self.kept_dtype = kept_dtype
         self.owner = owner  # the fully_shard call's modules, named in errors about tied weights
         # Every (module, name) the parameter is registered under: tied weights have several.
         self.slots = [(module._parameters, name) for module, name in slots]

@@ -324,7 +324,8 @@ class FSDPParamGroup:
             for fsdp_param in self.fsdp_params:
                 fsdp_param.register(fsdp_param.sharded_param, replacing=fsdp_param.unsharded_param)
         self._enter(state)
-        self.layout.free_unsharded()
+        if not self.settings.keep_unsharded_storage:
+            self.layout.free_unsharded()
 
     def guesses_prefetch(self) -> bool:
         """Whether hooks gather this group ahead of need from the recorded order: only where

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+import torch.nn as nn
 
 from fsdp2.engine.tree import map_tensors
 
@@ -22,11 +24,22 @@ class MixedPrecisionPolicy:
     param_dtype: torch.dtype | None = None
     """Dtype of the all-gather and of the unsharded parameters used in forward/backward."""
     reduce_dtype: torch.dtype | None = None
-    """Dtype of the gradient reduction; defaults to ``param_dtype``."""
+    """Dtype of the gradient reduction, and of the sum kept while gradient sync is off. ``None``
+    follows the installed torch (engine/releases.py): from 2.15 each parameter's own dtype (an
+    fp32 parameter computed in bf16 reduces in fp32), before 2.15 ``param_dtype``."""
     output_dtype: torch.dtype | None = None
     """Dtype that the module's floating-point outputs are cast to; ``None`` leaves them alone."""
     cast_forward_inputs: bool = True
     """Whether floating-point forward inputs are cast to ``param_dtype``."""
+    # Not in the repr: a function's names its address, which differs between ranks, and every
+    # rank checks fully_shard's arguments alike (agreement.py); its answers are checked instead.
+    param_dtype_override_fn: Callable[[nn.Parameter], torch.dtype | None] | None = field(
+        default=None, kw_only=True, repr=False
+    )
+    """Asked once per parameter at ``fully_shard``: ``None`` or ``param_dtype`` gathers it in
+    ``param_dtype``, its own dtype keeps it in that dtype (norms in fp32 beside bf16 weights);
+    anything else raises. It must answer alike on every rank. Inputs are still cast to
+    ``param_dtype``."""
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype", "output_dtype"):
@@ -35,6 +48,41 @@ class MixedPrecisionPolicy:
                 raise TypeError(
                     f"MixedPrecisionPolicy.{name} must be a torch.dtype or None, got {value!r}"
                 )
+        fn = self.param_dtype_override_fn
+        if fn is not None and not callable(fn):
+            raise TypeError(
+                f"MixedPrecisionPolicy.param_dtype_override_fn must be callable or None, got {fn!r}"
+            )
+
+    def kept_dtype(self, param: nn.Parameter) -> torch.dtype | None:
+        """``param``'s own dtype where ``param_dtype_override_fn`` keeps it in that dtype,
+        else ``None`` (it follows ``param_dtype``)."""
+        if self.param_dtype_override_fn is None:
+            return None
+        answer = self.param_dtype_override_fn(param)
+        if answer is None or answer == self.param_dtype:
+            return None
+        if not isinstance(answer, torch.dtype):
+            raise ValueError(
+                f"param_dtype_override_fn must return a torch.dtype or None, got {answer!r}"
+            )
+        if answer != param.dtype:
+            raise ValueError(
+                f"param_dtype_override_fn returned {answer} for a parameter of dtype "
+                f"{param.dtype}; it may return only None, param_dtype ({self.param_dtype}) or "
+                "the parameter's own dtype"
+            )
+        return answer
+
+    def _resolve_for_param(self, param: nn.Parameter) -> MixedPrecisionPolicy:
+        """torch 2.15's ``fully_shard`` asks this of the policy it is given, ours included:
+        the policy of one parameter, its override applied."""
+        kept = self.kept_dtype(param)
+        return replace(
+            self,
+            param_dtype=kept if kept is not None else self.param_dtype,
+            param_dtype_override_fn=None,
+        )
 
     @property
     def is_default(self) -> bool:

@@ -30,6 +30,7 @@ class GroupSettings:
     # -- when to gather and free
     reshard_after_backward: bool = True
     unshard_in_backward: bool = True
+    keep_unsharded_storage: bool = False  # reshard keeps the storage (same data pointers)
     # Gather the next group ahead of need: None decides by device ([Note: prefetch order]).
     guess_prefetch: bool | None = None
     # -- gradient reduction

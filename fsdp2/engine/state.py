@@ -30,7 +30,7 @@ from fsdp2.engine.prefetch import prefetch_after, prefetch_before
 from fsdp2.engine.registry import StateRegistry
 from fsdp2.engine.tree import map_tensors, tensors_in
 
-__all__ = ["STATES", "FSDPState", "TrainingState", "module_label", "state_of"]
+__all__ = ["STATES", "FSDPState", "TrainingState", "in_backward", "module_label", "state_of"]
 
 _LABEL_MODULES = 4  # a fully_shard([...]) label names this many modules, then elides
 
@@ -44,7 +44,7 @@ def module_label(names: list[str]) -> str:
     return f"{names[0]} .. {names[-1]} ({len(names)} modules)"
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
     """Whether the autograd engine is running a backward on this thread (a forward now is a
     reentrant checkpoint recomputing, or a hook's own computation)."""
     return torch._C._current_graph_task_id() != -1
@@ -110,6 +110,9 @@ class FSDPState:
         self.reshard_after_forward = bool(reshard_after_forward)
         self.ctx: IterContext[FSDPState] | None = None
         self.is_root = False
+        # set_manual_backward_finalization: read from the root only ([Note: manual backward
+        # finalization] in iteration.py).
+        self.manual_finalization = False
         self._training_state = TrainingState.IDLE  # changed only by enter()
         # Explicit prefetch targets (set_modules_to_*_prefetch); None: use the recorded order.
         self.forward_prefetch: list[FSDPParamGroup] | None = None
@@ -151,6 +154,13 @@ class FSDPState:
     def _lazy_init(self) -> None:
         """Make this state the root of every fsdp2 state in its modules' subtrees."""
         states = STATES.under(*self.modules)
+        not_root = next((s for s in states if s is not self and s.manual_finalization), None)
+        if not_root is not None:
+            raise RuntimeError(
+                f"set_manual_backward_finalization(True) was called on "
+                f"{type(not_root.modules[0]).__name__}, but the module whose forward runs first "
+                f"is {type(self.modules[0]).__name__}, the root; call it on the root"
+            )
         ctx = IterContext(states)
         names = {id(m): n for top in self.modules for n, m in top.named_modules()}
         for state in states:
@@ -175,6 +185,13 @@ class FSDPState:
                 state.ctx = None
             raise
 
+    @property
+    def _comm_ctx(self) -> FSDPState:
+        """torch 2.15's pipeline schedules compare their stages' communication contexts by
+        identity (``defer_reduce_grad_wait`` refuses shared ones). fsdp2 shares none between
+        roots (``share_comm_ctx`` only checks its input): each state is its own."""
+        return self
+
     def require_ctx(self) -> IterContext[FSDPState]:
         """The iteration context, which lazy init gives every state before any hook runs."""
         if self.ctx is None:
@@ -196,7 +213,7 @@ class FSDPState:
             self._lazy_init()
         if self.input_dtype is not None:
             args, kwargs = cast_floats((args, kwargs), self.input_dtype)
-        recompute = _in_backward()  # activation checkpointing recomputing the forward
+        recompute = in_backward()  # activation checkpointing recomputing the forward
         if self._training_state is TrainingState.PRE_BACKWARD and recompute:
             return args, kwargs
         # PRE_BACKWARD outside backward: left by a backward that raised; the root's
@@ -239,7 +256,7 @@ class FSDPState:
         if self._training_state is TrainingState.PRE_BACKWARD:
             return output
         grad_enabled = torch.is_grad_enabled()
-        if _in_backward():
+        if in_backward():
             # Recomputed by a reentrant checkpoint, whose backward comes right after: keep the
             # parameters gathered for it (the group reshards once its gradients are reduced).
             self.enter(TrainingState.IDLE)

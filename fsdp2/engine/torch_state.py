@@ -104,14 +104,8 @@ class _GroupView(_Unsupported):
         without sync), resharding first if it reshards after backward; the same as the end of
         a backward does for a group (``IterContext.end_of_backward``). Without gradient sync,
         fold this backward's gradients into the unreduced sum instead. A second call finds
-        nothing left to reduce."""
-        group = self._group
-        if group.settings.reshard_after_backward:
-            group.reshard()
-        if not group.settings.requires_gradient_sync:
-            group.reducer.stash_grads()
-        elif group.reducer.reduces_at_end():
-            _context(self._fsdp_state).reduce(group.reducer, group.settings.max_in_flight)
+        nothing left to reduce (``IterContext.finish_group``)."""
+        _context(self._fsdp_state).finish_group(self._group)
 
 
 def _context(state: FSDPState) -> IterContext[FSDPState]:

@@ -19,6 +19,7 @@ import sys
 
 from fsdp2.api import (
     FSDPModule,
+    GradientReductionHandle,
     UnshardHandle,
     fully_shard,
     register_fsdp_forward_method,
@@ -40,6 +41,7 @@ TORCH_NAMES: dict[str, object] = {
     "CPUOffloadPolicy": CPUOffloadPolicy,
     "DataParallelMeshDims": DataParallelMeshDims,
     "FSDPModule": FSDPModule,
+    "GradientReductionHandle": GradientReductionHandle,  # torch 2.15+
     "MixedPrecisionPolicy": MixedPrecisionPolicy,
     "OffloadPolicy": OffloadPolicy,
     "UnshardHandle": UnshardHandle,

@@ -1,0 +1,57 @@
+"""What depends on the installed torch's release: every such rule is decided here, once.
+
+fsdp2 is a drop-in for the torch it is installed beside (2.11 to 2.15). Where torch changed the
+meaning of its API between releases, fsdp2 follows the installed one; the rest of the code asks
+:data:`RULES` and never compares versions itself. Additions of a newer release that need none of
+its internals (``finalize_backward``, ``set_keep_unsharded_storage``,
+``MixedPrecisionPolicy.param_dtype_override_fn``) exist on every release.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["RULES", "TORCH_RELEASE", "ReleaseRules", "rules_for"]
+
+# The oldest and the newest release fsdp2 is tested beside (pyproject.toml's range).
+SUPPORTED = ((2, 11), (2, 15))
+
+
+def parse_release(version: str) -> tuple[int, int]:
+    """``"2.15.0+cu132"`` -> ``(2, 15)``; a nightly ``"2.16.0.dev20261101"`` -> ``(2, 16)``."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None:
+        raise ValueError(f"fsdp2: cannot read torch's release from its version {version!r}")
+    return int(found[1]), int(found[2])
+
+
+@dataclass(frozen=True)
+class ReleaseRules:
+    """The behaviours that differ between torch releases, as the installed one has them."""
+
+    release: tuple[int, int]
+    reduce_dtype_follows_grad_dtype: bool
+    """``MixedPrecisionPolicy(reduce_dtype=None)``: 2.15 reduces (and accumulates without sync)
+    in each parameter's ``grad_dtype``, its own dtype unless set; earlier releases in
+    ``param_dtype``. A bf16-computed gradient of an fp32 parameter is summed in fp32 from 2.15."""
+    stage_finalizes_backward: bool
+    """``torch.distributed.pipelining``'s stage ends the microbatches' backward through the
+    public ``set_manual_backward_finalization`` / ``finalize_backward`` from 2.15; earlier
+    releases reach into ``fully_shard.state(module)`` (engine/torch_state.py serves both)."""
+
+
+def rules_for(release: tuple[int, int]) -> ReleaseRules:
+    """The rules of ``release`` (any release, so tests can check each one's)."""
+    from_2_15 = release >= (2, 15)
+    return ReleaseRules(
+        release=release,
+        reduce_dtype_follows_grad_dtype=from_2_15,
+        stage_finalizes_backward=from_2_15,
+    )
+
+
+TORCH_RELEASE = parse_release(torch.__version__)
+RULES = rules_for(TORCH_RELEASE)
