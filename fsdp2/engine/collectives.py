@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp2.debug import checks, hang, switches
+from fsdp2.engine.releases import RULES
 
 __all__ = [
     "CollectiveKind",
@@ -102,9 +103,13 @@ def forget_deferred_checks() -> None:
 GatherFn = Callable[..., "dist.Work | None"]
 ScatterFn = Callable[..., "dist.Work | None"]
 
-# torch 2.13 renamed the tensor-in, tensor-out collectives; older releases only have the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# The tensor-in, tensor-out collectives, under the installed torch's names (releases.py).
+if RULES.single_collectives:
+    _all_gather_single = dist.all_gather_single
+    _reduce_scatter_single = dist.reduce_scatter_single
+else:
+    _all_gather_single = dist.all_gather_into_tensor
+    _reduce_scatter_single = dist.reduce_scatter_tensor
 
 
 @contextmanager

@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from fsdp2.engine.extension import contiguous_strides, has_extension
 from fsdp2.engine.mesh import MeshInfo, sharded_layout
 from fsdp2.engine.nested import dp_rows_mismatch, piece_sizes
+from fsdp2.engine.releases import CLEAR_NATIVE_DTENSOR_CACHE
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -409,9 +410,8 @@ def parameter(tensor: torch.Tensor, requires_grad: bool) -> nn.Parameter:
 def _clear_dtensor_caches() -> None:
     """Forget every op's cached sharding: Python's cache and the C++ dispatch fast path's."""
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()  # type: ignore[no-untyped-call]
-    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-    if clear_native is not None:  # torch releases without the C++ fast path lack it
-        clear_native()
+    if CLEAR_NATIVE_DTENSOR_CACHE is not None:  # releases without the C++ fast path lack it
+        CLEAR_NATIVE_DTENSOR_CACHE()
 
 
 def own_storage(piece: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["RULES", "TORCH_RELEASE", "ReleaseRules", "rules_for"]
+__all__ = ["CLEAR_NATIVE_DTENSOR_CACHE", "RULES", "TORCH_RELEASE", "ReleaseRules", "rules_for"]
 
 # The oldest and the newest release fsdp2 is tested beside (pyproject.toml's range).
 SUPPORTED = ((2, 11), (2, 15))
@@ -37,6 +37,9 @@ class ReleaseRules:
     """``MixedPrecisionPolicy(reduce_dtype=None)``: 2.15 reduces (and accumulates without sync)
     in each parameter's ``grad_dtype``, its own dtype unless set; earlier releases in
     ``param_dtype``. A bf16-computed gradient of an fp32 parameter is summed in fp32 from 2.15."""
+    single_collectives: bool
+    """``dist.all_gather_single`` / ``dist.reduce_scatter_single`` (2.13 renamed them); before,
+    only ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (engine/collectives.py)."""
     stage_finalizes_backward: bool
     """``torch.distributed.pipelining``'s stage ends the microbatches' backward through the
     public ``set_manual_backward_finalization`` / ``finalize_backward`` from 2.15; earlier
@@ -49,9 +52,14 @@ def rules_for(release: tuple[int, int]) -> ReleaseRules:
     return ReleaseRules(
         release=release,
         reduce_dtype_follows_grad_dtype=from_2_15,
+        single_collectives=release >= (2, 13),
         stage_finalizes_backward=from_2_15,
     )
 
 
 TORCH_RELEASE = parse_release(torch.__version__)
 RULES = rules_for(TORCH_RELEASE)
+
+# DTensor's C++ dispatch fast path keeps a sharding cache of its own in the releases that have
+# that path; the function that clears it, or None (engine/param.py clears both caches).
+CLEAR_NATIVE_DTENSOR_CACHE = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
