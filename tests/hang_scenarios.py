@@ -115,6 +115,17 @@ def _skipped_block(model: Stack) -> str:
     return _step(model, 0)
 
 
+def _skipped_kept_block(model: Stack) -> str:
+    """Blocks kept gathered after forward (backward issues reduce-scatters only); a step in
+    which rank 1 skips block 1: the ranks' reduce-scatters then differ (coalesced: in their
+    buckets, which once gloo aborted the process on, their sizes differing)."""
+    for block in model.blocks:
+        cast(FSDPModule, block).set_reshard_after_forward(False)
+    _step(model, 0)
+    model.skip = {1} if dist.get_rank() == 1 else set()
+    return _step(model, 1)
+
+
 def _expert_on_rank0(model: Stack) -> str:
     model.num_experts = 2 if dist.get_rank() == 0 else 1
     return _step(model, 0)
@@ -171,6 +182,7 @@ def _scaler_step_on_rank0(model: Stack) -> str:
 
 SCENARIOS: dict[str, Callable[[Stack], str]] = {
     "skipped_block": _skipped_block,
+    "skipped_kept_block": _skipped_kept_block,
     "expert_on_rank0": _expert_on_rank0,
     "raise_in_backward": _raise_in_backward,
     "batch_shapes": _batch_shapes,

@@ -232,12 +232,12 @@ def _memory_bound(budget: int) -> int:
     from fsdp2.engine.coalesce import coalesce_bytes, set_coalesce_bytes
     from tests.models import MODELS
 
-    outputs: list[torch.Tensor] = []
+    outputs: list[torch.Tensor] = []  # the coalesced gathers' outputs and send buffers
     real = coalesce.all_gather
 
-    def spy(out: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        outputs.append(out)
-        return real(out, *args, **kwargs)
+    def spy(out: torch.Tensor, send: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        outputs.extend((out, send))
+        return real(out, send, *args, **kwargs)
 
     coalesce.all_gather = spy  # type: ignore[assignment]
     saved = coalesce_bytes()
@@ -270,7 +270,8 @@ def _memory_bound(budget: int) -> int:
 
 def test_memory_bounded_by_budget() -> None:
     """Outside the running block, never more than the budget: the gathered-ahead groups wait in
-    the shared output (within the budget), and each copies out only when it runs."""
+    the shared output (within the budget), and each copies out only when it runs; the send
+    buffers count too (each freed once its gather is done), with no slack."""
     for peak in run_on_ranks(2, _memory_bound, BUDGET):
         assert 0 < peak <= BUDGET
 

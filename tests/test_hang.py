@@ -156,6 +156,7 @@ A rank MISSING from it skipped that module (control flow that depends on the ran
 
 COALESCED = (
     "skipped_block",
+    "skipped_kept_block",
     "expert_on_rank0",
     "raise_in_backward",
     "batch_shapes",
@@ -188,6 +189,23 @@ CollectiveMismatchError: fsdp2: the ranks gathered different groups in one coale
 The ranks ran different fully_shard modules in this iteration (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs). Every rank must run every sharded module in each forward, in the same order (give an unused expert a zero-weighted call). The step raised before its gradients were reduced: discard this iteration. To see each collective on its own, turn coalescing off (FSDP2_COALESCE_BYTES=0).""",
         )
 
+    def test_skipped_kept_block(self) -> None:
+        """Backward's coalesced reduce-scatters carry one size and a header: every rank raises,
+        naming the group only some ranks reduced (once gloo aborted the process)."""
+        rank0, rank1 = self._both("skipped_kept_block")
+        self.assertExpectedInline(
+            rank0,
+            """\
+CollectiveMismatchError: fsdp2: the ranks reduced different groups in one coalesced reduce-scatter: this rank's bucket holds `<root>+blocks.0+blocks.1+blocks.2+experts.0+experts.1`; in some ranks' buckets only: blocks.1 (1 of 2 ranks).
+The ranks ran different fully_shard modules in this iteration's backward (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs). Every rank must run every sharded module in each step, in the same order (give an unused expert a zero-weighted call). The step raised before its gradients were handed out: discard this iteration. To see each collective on its own, turn coalescing off (FSDP2_COALESCE_BYTES=0).""",
+        )
+        self.assertExpectedInline(
+            rank1,
+            """\
+CollectiveMismatchError: fsdp2: the ranks reduced different groups in one coalesced reduce-scatter: this rank's bucket holds `<root>+blocks.0+blocks.2+experts.0+experts.1`; in some ranks' buckets only: blocks.1 (1 of 2 ranks).
+The ranks ran different fully_shard modules in this iteration's backward (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs). Every rank must run every sharded module in each step, in the same order (give an unused expert a zero-weighted call). The step raised before its gradients were handed out: discard this iteration. To see each collective on its own, turn coalescing off (FSDP2_COALESCE_BYTES=0).""",
+        )
+
     def test_expert_on_rank0(self) -> None:
         rank0, rank1 = self._both("expert_on_rank0")
         self.assertEqual(rank0, rank1)
@@ -217,7 +235,7 @@ The ranks ran different fully_shard modules in this iteration (control flow that
         self.assertExpectedInline(
             rank0,
             """\
-CollectiveTimeoutError: fsdp2: rank 0 waited N s (FSDP2_COLLECTIVE_TIMEOUT) for the reduce-scatter #7 for `experts.1+experts.0+blocks.2+blocks.1+blocks.0+<root>` (420 elements, float32) on the process group of ranks [0, 1], and it has not finished.
+CollectiveTimeoutError: fsdp2: rank 0 waited N s (FSDP2_COLLECTIVE_TIMEOUT) for the reduce-scatter #7 for `experts.1+experts.0+blocks.2+blocks.1+blocks.0+<root>` (510 elements, float32) on the process group of ranks [0, 1], and it has not finished.
 Where each rank is (from the c10d store):
   rank 0 (this rank): blocked in it
   rank 1: MISSING, issued only #0-#6 on this group; not in an fsdp2 collective (busy elsewhere, finished or raised); last seen N s ago issuing all-gather #6 for `experts.1+experts.0+blocks.2+blocks.1+blocks.0` (240 elements, float32) [published N s ago]
@@ -233,7 +251,7 @@ A rank MISSING from it skipped that module (control flow that depends on the ran
 CollectiveTimeoutError: fsdp2: rank 0 waited N s (FSDP2_COLLECTIVE_TIMEOUT) for the all-gather #8 for `<root>+blocks.0+blocks.1+blocks.2+experts.0+experts.1` (240 elements, float32) on the process group of ranks [0, 1], and it has not finished.
 Where each rank is (from the c10d store):
   rank 0 (this rank): blocked in it
-  rank 1: MISSING, issued only #0-#7 on this group; not in an fsdp2 collective (busy elsewhere, finished or raised); last seen N s ago issuing reduce-scatter #7 for `experts.1+experts.0+blocks.2+blocks.1+blocks.0+<root>` (420 elements, float32) [published N s ago]
+  rank 1: MISSING, issued only #0-#7 on this group; not in an fsdp2 collective (busy elsewhere, finished or raised); last seen N s ago issuing reduce-scatter #7 for `experts.1+experts.0+blocks.2+blocks.1+blocks.0+<root>` (510 elements, float32) [published N s ago]
 A rank MISSING from it skipped that module (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs or shapes), raised, or never started the step. A rank on a DIFFERENT collective got out of step earlier: collectives pair up by order, not by module, so earlier ones may have exchanged wrong data. The process group is unusable now (a collective is half done): abort the job on every rank. FSDP2_CHECK_COLLECTIVES=1 stops at the first collective where the ranks disagree, with both sides named.""",
         )
         self.assertEqual(rank1, "skipped step 1")

@@ -188,6 +188,9 @@ def test_plan_matches_real_run(
     assert sum(g.param_bytes for g in plan.groups) == real["params"]
     assert plan.param_bytes - plan.param_padding_bytes == last["params"]
     assert sum(g.grad_real_bytes for g in plan.groups) == real["grads"]
+    # What .grad holds, on the rank with the most real rows and on the one with the fewest:
+    # the "used" flags held beside the gradients are a line of their own (grad_flag_bytes).
+    assert plan.grad_bytes == real["grads"]
     assert plan.grad_bytes - plan.grad_padding_bytes == last["grads"]
     assert plan.optim_bytes == real["optim"]
     assert plan.buffer_bytes == real["buffers"]
@@ -360,7 +363,8 @@ class TestPlanText(expecttest.TestCase):
                 """\
 fsdp2.plan: world 2, 756 parameters, per rank
   parameters (sharded)                 1.48 KiB  (padding 0 B)
-  gradients                            1.51 KiB  (padding 32 B)
+  gradients                            1.48 KiB  (padding 0 B)
+  gradient flags (one per parameter)   32 B
   optimizer state (adamw)              2.95 KiB
   buffers                              0 B
   held between steps                   5.94 KiB
@@ -370,8 +374,8 @@ fsdp2.plan: world 2, 756 parameters, per rank
   peak                                 13.97 KiB
   coalescing budget                    256.00 KiB
   all_gather per step                  2 x (2 coalesced), 6.00 KiB payload
-  reduce_scatter per step              1 x (1 coalesced), 3.02 KiB payload
-  sent (= received) per rank per step  4.51 KiB
+  reduce_scatter per step              1 x (1 coalesced), 3.05 KiB payload
+  sent (= received) per rank per step  4.52 KiB
   group     params  unsharded  shard  reshard after fwd
   <root>        68      272 B  136 B                 no
   blocks.0     144      576 B  288 B                yes

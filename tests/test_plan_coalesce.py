@@ -170,20 +170,25 @@ def _plan_at(model_name: str, budget: int) -> fsdp2.Plan:
 
 @pytest.mark.parametrize("model_name", ["stack", "frozen"])
 def test_reduce_scatter_buckets_follow_the_rule(model_name: str) -> None:
-    """Without ranks: backward order, trainable groups only, held while the inputs fit the
-    budget (a greedy walk written out here), labels in issue order, bytes summed."""
+    """Without ranks: backward order, trainable groups only, held while their rows (one
+    rank's chunk each) fit the fixed row less its header (a greedy walk written out here),
+    labels in issue order, every bucket of the one fixed size ([Note: coalesced
+    reduce-scatters]): the budget's share per rank (1,648 B at 2 ranks), a 4-byte header
+    element per group of the root, so two 552-byte rows fit and a third does not."""
     plan = _plan_at(model_name, SEVERAL)
     trainable = [g for g in reversed(plan.groups) if g.num_trainable]
+    share = SEVERAL // 2 // 4 * 4
+    header = 4 * len(plan.groups)
+    rows = [g.reduce_out_bytes for g in trainable]
+    fixed = min(share, header + sum(r for r in rows if header + r <= share))
+    assert fixed == share == 1_648  # the stack's rows fill more than the share
     expected: list[Record] = []
     bucket: list[Any] = []
     for g in [*trainable, None]:
-        total = sum(m.reduce_in_bytes for m in bucket)
-        if bucket and (g is None or total + g.reduce_in_bytes > SEVERAL):
-            ins = sum(m.reduce_in_bytes for m in bucket)
-            outs = sum(m.reduce_out_bytes for m in bucket)
-            expected.append(
-                ("reduce_scatter", bucket_label([m.label for m in bucket]), ins, outs, 2)
-            )
+        total = sum(m.reduce_out_bytes for m in bucket)
+        if bucket and (g is None or total + g.reduce_out_bytes > fixed - header):
+            label = bucket_label([m.label for m in bucket])
+            expected.append(("reduce_scatter", label, 2 * fixed, fixed, 2))
             bucket = []
         if g is not None:
             bucket.append(g)
@@ -212,11 +217,12 @@ def test_peaks_count_gathered_ahead_and_held_bytes() -> None:
     # and gradients (544), the held reduce-scatter inputs and outputs of blocks 7 and 6
     # (2 x 1,656), the bucket's output, send buffer and gloo temporary; or at block 7's
     # reduction, which issues the held bucket of blocks 9 and 8: their inputs and outputs,
-    # copied into one input (2 x 1,104), beside the output of the bucket 8-6 (block 6 still to
-    # copy out), block 7's gradients (1,088) and its own input and output.
+    # copied into one input of the fixed size (2 ranks x 1,648), beside the output of the
+    # bucket 8-6 (block 6 still to copy out), block 7's gradients (1,088) and its own input
+    # and output.
     send, out = sizes["blocks.5+blocks.4+blocks.3"]
     gathering = 544 + 2 * 1656 + out + send + out
-    reducing = 544 + 2 * 1656 + sizes["blocks.8+blocks.7+blocks.6"][1] + 1088 + 1656 + 2 * 1104
+    reducing = 544 + 2 * 1656 + sizes["blocks.8+blocks.7+blocks.6"][1] + 1088 + 1656 + 2 * 1648
     assert on.backward_transient_bytes == max(gathering, reducing)
     assert on.backward_transient_at == ("blocks.5" if gathering > reducing else "blocks.7")
     assert on.peak_bytes > off.peak_bytes

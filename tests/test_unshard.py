@@ -123,3 +123,40 @@ def test_unshard_in_backward_false_skips_the_gather(impl: str, fsdp2_only: None)
     if impl == "fsdp2":  # the default regathers it
         for gathers in run_on_ranks(2, _unshard_in_backward, impl, True):
             assert gathers == [3] * NUM_STEPS
+
+
+def _late_wait(impl: str, budget: int) -> list[str]:
+    """An ``unshard(async_op=True)`` issued before the forward (which uses its gather), its
+    handle waited for only after the backward: the wait has nothing left to do, and the next
+    steps train on the parameters the optimizer updated, as the reference does."""
+    from fsdp2.engine.coalesce import coalesce_bytes, set_coalesce_bytes
+
+    saved = coalesce_bytes()
+    set_coalesce_bytes(budget)
+    try:
+        t = Lockstep("mlp")
+        shard_model(t.model, "mlp", impl)
+        t.make_optimizers()
+        block = t.model.blocks[0]
+        t.forward_backward(0)  # lazy init first, as torch requires
+        t.optim_step()
+        kinds = []
+        for step in range(1, NUM_STEPS):
+            handle = block.unshard(async_op=True)
+            t.forward_backward(step)
+            t.check_grads(f"step {step}")
+            handle.wait()  # late: the forward consumed the gather and resharded
+            kinds.append(type(block[0].weight).__name__)
+            t.optim_step()
+        t.forward_backward(NUM_STEPS)  # the loss is checked against the reference's
+        t.check_grads("after the late waits")
+        return kinds
+    finally:
+        set_coalesce_bytes(saved)
+
+
+@pytest.mark.parametrize("budget", [0, 256 * 1024], ids=["per-group", "coalesced"])
+@pytest.mark.parametrize("impl", ["fsdp2", "torch"])
+def test_late_unshard_wait_trains_on_current_parameters(impl: str, budget: int) -> None:
+    for kinds in run_on_ranks(2, _late_wait, impl, budget):
+        assert kinds == ["DTensor"] * (NUM_STEPS - 1)  # still sharded after the late wait

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Callable
 from functools import partial
 from typing import Protocol
 
@@ -75,6 +76,7 @@ __all__ = [
     "DEFAULT_COALESCE_BYTES",
     "Context",
     "bucket_label",
+    "check_on_host",
     "coalesce_bytes",
     "fixed_send_bytes",
     "gather_with_following",
@@ -292,7 +294,7 @@ def _issue(bucket: list[FSDPParamGroup], groups: list[FSDPParamGroup], per_rank:
     pending = all_gather(out, typed, group, bucket_label([m.label for m in bucket]))
     rows = out.view(torch.uint8).view(world, per_rank)
     check = partial(_check_headers, rows[:, :header], words, groups)
-    shared = SharedOutput(out, len(bucket), check)
+    shared = SharedOutput(out, len(bucket), check, typed)
     for member, (source, start) in zip(bucket, sources, strict=True):
         nbytes = source.numel() * source.element_size()
         part = rows[:, start : start + nbytes].view(source.dtype)
@@ -305,15 +307,22 @@ def _defers(device: torch.device) -> bool:
 
 
 def _check_headers(headers: torch.Tensor, own: torch.Tensor, groups: list[FSDPParamGroup]) -> None:
-    """Once the gather is waited for: compare every rank's header with this rank's, now on CPU,
-    else once the device has copied them to the host ([Note: coalesced gathers])."""
-    device = headers.device
+    """Once the gather is waited for: compare every rank's header with this rank's."""
+    check_on_host(headers, partial(_compare_headers, own=own, groups=groups))
+
+
+def check_on_host(header: torch.Tensor, compare: Callable[[torch.Tensor], None]) -> None:
+    """Run ``compare`` on a coalesced collective's ``header`` (waited for): now on CPU, else
+    once the device has copied it to the host, before the next collective is issued or at the
+    end of the forward or backward, so that the host never stalls on the device's queue
+    ([Note: coalesced gathers]). The one rule for when a coalesced collective is checked."""
+    device = header.device
     if not _defers(device):
-        _compare_headers(headers, own, groups)
+        compare(header)
         return
     on_device = device.type != "cpu"
-    host = torch.empty(headers.shape, dtype=headers.dtype, pin_memory=on_device)
-    host.copy_(headers, non_blocking=on_device)
+    host = torch.empty(header.shape, dtype=header.dtype, pin_memory=on_device)
+    host.copy_(header, non_blocking=on_device)
     copied = torch.Event(device) if on_device else None
     if copied is not None:
         copied.record()
@@ -321,13 +330,13 @@ def _check_headers(headers: torch.Tensor, own: torch.Tensor, groups: list[FSDPPa
     def check() -> None:
         if copied is not None:
             copied.synchronize()
-        _compare_headers(host, own, groups)
+        compare(host)
 
     defer_check(check)
 
 
 def _compare_headers(
-    headers: torch.Tensor, own: torch.Tensor, groups: list[FSDPParamGroup]
+    headers: torch.Tensor, *, own: torch.Tensor, groups: list[FSDPParamGroup]
 ) -> None:
     """Raise, on every rank, if the ranks gathered different groups in one coalesced gather."""
     rows = headers.cpu().contiguous().view(torch.int64)

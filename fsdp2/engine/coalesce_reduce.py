@@ -33,6 +33,18 @@ gradient for stay ``None``, and every rank forms the same buckets from facts tha
 everywhere (sizes, settings, the order of post-backwards). A backward for inputs only then
 reduces zeros too, when coalescing is on: it costs a collective, never a value.
 
+Ranks out of step (one skipped a block: rank-dependent control flow) form different buckets, as
+for gathers ([Note: coalesced gathers]), and so every coalesced reduce-scatter has ONE size and a
+header: each rank's row (its chunk) is the budget's share (``budget // world``, whole elements of
+the reduce dtype; less if every joinable group of the root fits in less: ``fixed_row_bytes``), a
+header of one element per group of the root, 1 where the group is in the bucket, then the
+members' columns, then zeros. Reduced, an element of the header is the number of ranks whose
+bucket holds that group (its mean, for AVG): every rank then sees the same disagreement and
+raises :class:`CollectiveMismatchError` naming the groups, instead of a size mismatch (which gloo
+aborts the process on). A bucket of one goes this way too: against a rank out of step it may
+meet a bucket of several. The header is checked when the bucket is finished, before any
+gradient is handed out (on accelerators, without stalling the host: ``check_on_host``).
+
 Memory: the held inputs never exceed the budget. Issuing copies them into the concatenation
 (one more budget's worth, for a moment) and frees them at once; the concatenation is freed when
 the first member finishes, as a single group's input is.
@@ -40,36 +52,44 @@ the first member finishes, as a single group's input is.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Protocol
 
 import torch
 
-from fsdp2.engine.coalesce import bucket_label, coalesce_bytes
+from fsdp2.debug.checks import CollectiveMismatchError
+from fsdp2.engine.coalesce import bucket_label, check_on_host, coalesce_bytes
 from fsdp2.engine.collectives import reduce_scatter
 from fsdp2.engine.grads import Reduced
+from fsdp2.engine.param_group import FSDPParamGroup
 from fsdp2.engine.reduce import GradientReducer, PendingReduce, ReduceInput, reduce_op
 
-__all__ = ["HeldReduces", "PendingBucket", "input_nbytes", "rs_joinable"]
+__all__ = ["HeldReduces", "PendingBucket", "fixed_row_bytes", "input_nbytes", "rs_joinable"]
 
 
 class PendingBucket:
     """A coalesced reduce-scatter in flight: its members' ``PendingReduce`` share one collective
-    and count as one in flight."""
+    and count as one in flight. ``header``: this rank's reduced header, checked at ``finish``."""
 
-    __slots__ = ("members",)
+    __slots__ = ("check", "members")
 
-    def __init__(self, members: list[PendingReduce]) -> None:
+    def __init__(self, members: list[PendingReduce], check: partial[None]) -> None:
         self.members = members
+        self.check = check
 
     def finished_locally(self) -> bool:
         return all(m.finished_locally() for m in self.members)
 
     def finish(self) -> list[Reduced]:
+        self.members[0].pending.wait()
+        self.check()  # before any member's gradients are handed out
         return [shard for member in self.members for shard in member.finish()]
 
 
 class _Queue(Protocol):
-    """Where issued reductions go (``IterContext.add_reduce``)."""
+    """Where issued reductions go (``IterContext.add_reduce``), and the root's groups."""
+
+    groups: list[FSDPParamGroup]
 
     def add_reduce(self, reduce: PendingReduce | PendingBucket | None, max_in_flight: int) -> None:
         """Put ``reduce`` in flight."""
@@ -99,12 +119,26 @@ def input_nbytes(reducer: GradientReducer) -> int:
     return reducer.shard_size * numel * layout.reduce_dtype.itemsize
 
 
+def fixed_row_bytes(
+    rows: list[int], num_groups: int, itemsize: int, budget: int, world: int
+) -> int:
+    """The one size of every rank's row in a coalesced reduce-scatter over ``world`` ranks, in
+    a reduce dtype of ``itemsize`` bytes: the budget's share, or the header and every row of
+    ``rows`` (the root's joinable groups, one rank's chunk each) that fits the share, if less.
+    Made of facts every rank shares; the planner replays it."""
+    share = budget // world // itemsize * itemsize
+    header = num_groups * itemsize
+    return min(share, header + sum(r for r in rows if header + r <= share))
+
+
 class HeldReduces:
     """One iteration's held bucket: built reduce-scatter inputs whose collective waits."""
 
     def __init__(self) -> None:
         self.members: list[tuple[GradientReducer, ReduceInput]] = []
-        self.nbytes = 0
+        self.row_bytes = 0  # the members' rows
+        self.fixed = 0  # the bucket's row size, header included (fixed_row_bytes)
+        self.capacity = 0  # what the members' rows may fill of it
 
     def reduce(self, reducer: GradientReducer, queue: _Queue, max_in_flight: int) -> None:
         """Reduce ``reducer``'s gradients: held in the bucket, or issued (after the bucket)."""
@@ -112,20 +146,35 @@ class HeldReduces:
         if not reducer.layout.trainable:  # nothing to reduce, on any rank: the bucket stays
             queue.add_reduce(reducer.reduce_grads(), max_in_flight)
             return
-        nbytes = input_nbytes(reducer) if budget and rs_joinable(reducer) else budget + 1
-        if self.members and not (self.nbytes + nbytes <= budget and self._compatible(reducer)):
+        joinable = bool(budget) and rs_joinable(reducer)
+        row = input_nbytes(reducer) // reducer.shard_size if joinable else 0
+        if self.members and not (
+            joinable and self._compatible(reducer) and self.row_bytes + row <= self.capacity
+        ):
             self.flush(queue, max_in_flight)
-        if nbytes > budget:  # not joinable, or too large to hold: alone, as without coalescing
+        if joinable and not self.members:
+            self._size_bucket(reducer, queue.groups, budget)
+        if not joinable or row > self.capacity:  # alone, as without coalescing
             queue.add_reduce(reducer.reduce_grads(), max_in_flight)
             return
         built = reducer.build_input(always=True)
-        if not isinstance(built, ReduceInput) or built.inp.nbytes != nbytes:
+        if not isinstance(built, ReduceInput) or built.inp.nbytes != row * reducer.shard_size:
             raise AssertionError(
-                f"coalesced reduce-scatter '{reducer.label}': expected an input of {nbytes} "
-                f"bytes, found {built.inp.nbytes if isinstance(built, ReduceInput) else built}"
+                f"coalesced reduce-scatter '{reducer.label}': expected an input of "
+                f"{row * reducer.shard_size} bytes, found "
+                f"{built.inp.nbytes if isinstance(built, ReduceInput) else built}"
             )
         self.members.append((reducer, built))
-        self.nbytes += nbytes
+        self.row_bytes += row
+
+    def _size_bucket(
+        self, reducer: GradientReducer, groups: list[FSDPParamGroup], budget: int
+    ) -> None:
+        """The fixed row size and capacity of a bucket that ``reducer`` would start."""
+        itemsize = reducer.layout.reduce_dtype.itemsize
+        rows = [input_nbytes(g.reducer) // g.shard_size for g in groups if rs_joinable(g.reducer)]
+        self.fixed = fixed_row_bytes(rows, len(groups), itemsize, budget, reducer.shard_size)
+        self.capacity = self.fixed - len(groups) * itemsize
 
     def _compatible(self, reducer: GradientReducer) -> bool:
         first = self.members[0][0]
@@ -137,41 +186,79 @@ class HeldReduces:
         )
 
     def flush(self, queue: _Queue, max_in_flight: int) -> None:
-        """Issue the held bucket, if any, as one reduce-scatter."""
-        members, self.members, self.nbytes = self.members, [], 0
-        if len(members) == 1:
-            reducer, built = members[0]
-            queue.add_reduce(reducer.issue(built), max_in_flight)
-        elif members:
-            queue.add_reduce(_issue(members), max_in_flight)
+        """Issue the held bucket, if any, as one reduce-scatter of the fixed size (a bucket of
+        one too: see [Note: coalesced reduce-scatters])."""
+        members, self.members, self.row_bytes = self.members, [], 0
+        if members:
+            queue.add_reduce(_issue(members, queue.groups, self.fixed), max_in_flight)
 
     def drop(self) -> None:
         """Forget the held inputs (a reset: the failed iteration's gradients are dropped)."""
-        self.members, self.nbytes = [], 0
+        self.members, self.row_bytes = [], 0
 
 
-def _issue(members: list[tuple[GradientReducer, ReduceInput]]) -> PendingBucket:
-    """One reduce-scatter of the members' inputs side by side; each gets its column slice.
-    Through the seam itself, not a member's ``GradientReducer.reduce_scatter``: it is no one
-    group's collective."""
-    inp = torch.cat([built.inp for _, built in members], dim=1)
-    for _, built in members:
-        built.inp.untyped_storage().resize_(0)  # copied: free before the collective
-    out = inp.new_empty(inp.shape[1])
+def _issue(
+    members: list[tuple[GradientReducer, ReduceInput]], groups: list[FSDPParamGroup], fixed: int
+) -> PendingBucket:
+    """One reduce-scatter of ``fixed`` bytes per rank's row: the header, the members' inputs
+    side by side (each gets its column slice of the output), zeros. Through the seam itself,
+    not a member's ``GradientReducer.reduce_scatter``: it is no one group's collective."""
     first, built = members[0]
-    label = bucket_label([reducer.label for reducer, _ in members])
+    world, dtype = built.inp.shape[0], built.inp.dtype
+    header = len(groups)
+    inp = built.inp.new_zeros((world, fixed // dtype.itemsize))
+    own = torch.zeros(header, dtype=dtype)
+    index = {id(g.reducer): i for i, g in enumerate(groups)}
+    for reducer, _ in members:
+        own[index[id(reducer)]] = 1
+    inp[:, :header] = own.to(inp.device)
+    offset = header
+    for _, each in members:
+        numel = each.inp.shape[1]
+        inp[:, offset : offset + numel].copy_(each.inp)
+        each.inp.untyped_storage().resize_(0)  # copied: free before the collective
+        offset += numel
+    out = inp.new_empty(inp.shape[1])
+    labels = [reducer.label for reducer, _ in members]
+    use_sum = built.use_sum
     pending = reduce_scatter(
-        out, inp.view(-1), first.reduce_group(), label, reduce_op(built.use_sum)
+        out, inp.view(-1), first.reduce_group(), bucket_label(labels), reduce_op(use_sum)
     )
     issued = []
-    offset = 0
-    for reducer, built in members:
-        numel = built.inp.shape[1]
+    offset = header
+    for reducer, each in members:
+        numel = each.inp.shape[1]
         part = out[offset : offset + numel]
         offset += numel
         issued.append(
-            PendingReduce(
-                reducer, pending, part, built.params, inp, built.use_sum, True, built.used
-            )
+            PendingReduce(reducer, pending, part, each.params, inp, use_sum, True, each.used)
         )
-    return PendingBucket(issued)
+    compare = partial(_compare, own=own, groups=groups, world=world, summed=use_sum)
+    return PendingBucket(issued, partial(check_on_host, out[:header], compare))
+
+
+def _compare(
+    got: torch.Tensor, *, own: torch.Tensor, groups: list[FSDPParamGroup], world: int, summed: bool
+) -> None:
+    """Raise, on every rank, if the ranks reduced different groups in one coalesced
+    reduce-scatter: each header element counts the ranks whose bucket holds that group."""
+    counts = got.float().cpu() * (1 if summed else world)
+    expected = own.float() * world
+    if bool(((counts - expected).abs() < 0.5).all()):
+        return
+    mine = [groups[i].label or "<root>" for i in range(len(groups)) if own[i]]
+    some = [
+        f"{groups[i].label or '<root>'} ({round(float(counts[i]))} of {world} ranks)"
+        for i in range(len(groups))
+        if 0.5 < float(counts[i]) < world - 0.5
+    ]
+    raise CollectiveMismatchError(
+        "fsdp2: the ranks reduced different groups in one coalesced reduce-scatter: this "
+        f"rank's bucket holds `{bucket_label(mine)}`; in some ranks' buckets only: "
+        f"{', '.join(some) or 'none readable'}.\nThe ranks ran different fully_shard modules "
+        "in this iteration's backward (control flow that depends on the rank or the data: "
+        "MoE routing, a layer skipped for some inputs). Every rank must run every sharded "
+        "module in each step, in the same order (give an unused expert a zero-weighted call). "
+        "The step raised before its gradients were handed out: discard this iteration. To see "
+        "each collective on its own, turn coalescing off (FSDP2_COALESCE_BYTES=0)."
+    )

@@ -587,16 +587,21 @@ class GradientReductionHandle:
 
 
 class UnshardHandle:
-    """Returned by ``FSDPModule.unshard(async_op=True)``: ``wait()`` finishes the all-gather.
+    """Returned by ``FSDPModule.unshard(async_op=True)``: ``wait()`` finishes the all-gather
+    and registers the unsharded parameters. A group resharded since the ``unshard()`` (its
+    forward used the gather and freed it) has nothing left to wait for: ``wait()`` leaves it
+    alone, as torch does, so a late ``wait()`` never brings back parameters that the optimizer
+    has since updated.
 
     Args:
         groups: the parameter groups being gathered (fsdp2 builds it; users only ``wait()``).
     """
 
     def __init__(self, groups: list[FSDPParamGroup] | None = None) -> None:
-        self._groups = groups or []
+        self._groups = [(group, group.num_reshards) for group in groups or []]
 
     def wait(self) -> None:
-        for group in self._groups:
-            group.wait_for_unshard()
+        for group, reshards in self._groups:
+            if group.num_reshards == reshards:
+                group.wait_for_unshard()
         self._groups = []

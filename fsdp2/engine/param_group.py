@@ -104,19 +104,33 @@ class SharedOutput:
     """The output of a coalesced gather (coalesce.py), freed once every group it served is done
     with it: copied out, or resharded without."""
 
-    def __init__(self, out: torch.Tensor, users: int, check: Callable[[], None]) -> None:
+    def __init__(
+        self, out: torch.Tensor, users: int, check: Callable[[], None], send: torch.Tensor
+    ) -> None:
         self.out = out
         self.users = users
         self._check: Callable[[], None] | None = check  # raises if the ranks' buckets differ
+        # This rank's send buffer: freed as soon as the gather is done, not whenever the
+        # backend drops its own reference (gloo: on its worker thread, maybe after the next
+        # gather started), so that it never adds to the budget's worth gathered ahead.
+        self._send: torch.Tensor | None = send
 
     def check(self) -> None:
         """Once the gather finished, before any group copies out: did every rank send the
         same groups? (Run once, by the first group to wait.)"""
+        self._free_send()
         check, self._check = self._check, None
         if check is not None:
             check()
 
+    def _free_send(self) -> None:
+        send, self._send = self._send, None
+        if send is not None:
+            send.untyped_storage().resize_(0)
+
     def release(self) -> None:
+        """One group done with the output (after the gather finished)."""
+        self._free_send()
         self.users -= 1
         if self.users == 0:  # as for an owned buffer: not left to the collective's reference
             self.out.untyped_storage().resize_(0)
@@ -163,6 +177,9 @@ class FSDPParamGroup:
             fsdp_param.on_grad_ready = self.reducer.on_grad_ready
         self.layout.shard(full_tensors)
         self._gather: InFlightGather | None = None
+        # Reshards so far: an UnshardHandle whose group was resharded since its unshard() has
+        # nothing left to wait for (module.py).
+        self.num_reshards = 0
         self._k_block: torch.Tensor | None = None  # in K_SHARDED: this rank's k-rank block
         self.seen_in = -1  # the last iteration whose forward ran this group
         self.order_index = 0  # its position in that forward's order
@@ -324,6 +341,7 @@ class FSDPParamGroup:
             for fsdp_param in self.fsdp_params:
                 fsdp_param.register(fsdp_param.sharded_param, replacing=fsdp_param.unsharded_param)
         self._enter(state)
+        self.num_reshards += 1
         if not self.settings.keep_unsharded_storage:
             self.layout.free_unsharded()
 

@@ -152,6 +152,7 @@ def _plan_one(
         param_padding_bytes=sum(g.sharded_bytes - g.param_last_bytes for g in groups),
         grad_bytes=sum(g.grad_bytes for g in groups),
         grad_padding_bytes=sum(g.grad_bytes - g.grad_last_bytes for g in groups),
+        grad_flag_bytes=sum(g.grad_flag_bytes for g in groups),
         optim_bytes=_optimizer_bytes(groups, optimizer),
         buffer_bytes=buffers,
         forward_transient_bytes=moves.forward_bytes,

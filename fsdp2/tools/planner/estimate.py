@@ -29,7 +29,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from fsdp2.engine.coalesce import ALIGN, bucket_label, fixed_send_bytes, header_bytes
+from fsdp2.engine.coalesce_reduce import fixed_row_bytes
 from fsdp2.tools.planner.groups import GroupFacts
 
 __all__ = ["Collective", "Schedule", "Transient", "collectives", "transient"]
@@ -68,8 +71,9 @@ class Schedule:
     groups that resharded after forward and gather in backward. A guessed prefetch (on
     accelerators) forms its bucket the same way from the group it prefetches. In backward a
     reduce-scatter that may join is held; the next joins it while compatible (process group,
-    reduce dtype, op) and the inputs fit the budget, else the held bucket is issued first; the
-    rest is issued at the end of backward. A group alone over the budget is issued alone. The
+    reduce dtype, op) and the rows fit the fixed row size less its header
+    (``coalesce_reduce.fixed_row_bytes``), else the held bucket is issued first, at that size;
+    the rest is issued at the end of backward. A group alone over it is issued alone. The
     engine gathers at one fixed size per root (a header, then the aligned shards:
     ``coalesce.fixed_send_bytes``): the members' aligned sends fill that size, and a group that
     fits goes that way even alone. Memory: a bucket's shared output lives from its gather until
@@ -101,6 +105,8 @@ class Schedule:
         self.reduce_concat = [0] * n  # a held bucket issued at its reduction: the concatenation
         self._last_reduce = 0  # those alive after the last one: held, or issued alone
         self.held: list[int] = []
+        self._rs_fixed = 0  # the held reduce-scatter bucket's fixed row bytes
+        self._rs_capacity = 0
         self._forward()
         self._backward()
 
@@ -213,11 +219,14 @@ class Schedule:
     def _reduce(self, i: int) -> None:
         g = self.groups[i]
         self.reduce_before[i] = sum(self._rs_bytes(k) for k in self.held) or self._last_reduce
-        if self.held and not self._joins_held(i):
-            if len(self.held) > 1:  # issuing copies the inputs into one, for a moment
-                self.reduce_concat[i] = sum(self.groups[k].reduce_in_bytes for k in self.held)
+        joinable = bool(self.budget) and g.reduce_joinable and g.num_trainable > 0
+        if self.held and not self._joins_held(i, joinable):
+            # issuing copies the inputs into one of the fixed size, for a moment
+            self.reduce_concat[i] = self._rs_fixed * self.groups[self.held[0]].shard_world
             self._issue_held()
-        if self.budget and g.reduce_joinable and g.reduce_in_bytes <= self.budget:
+        if joinable and not self.held:
+            self._size_bucket(g)
+        if joinable and g.reduce_out_bytes <= self._rs_capacity:
             self.held.append(i)
             self._last_reduce = sum(self._rs_bytes(k) for k in self.held)
         else:
@@ -231,29 +240,40 @@ class Schedule:
     def _rs_bytes(self, i: int) -> int:
         return self.groups[i].reduce_in_bytes + self.groups[i].reduce_out_bytes
 
-    def _joins_held(self, i: int) -> bool:
+    def _size_bucket(self, g: GroupFacts) -> None:
+        """The engine's fixed row size (``coalesce_reduce.fixed_row_bytes``) of a reduce-scatter
+        bucket ``g`` starts, and what its members' rows may fill of it (less the header)."""
+        itemsize = getattr(torch, g.reduce_dtype).itemsize
+        rows = [m.reduce_out_bytes for m in self.groups if m.reduce_joinable and m.num_trainable]
+        n = len(self.groups)
+        self._rs_fixed = fixed_row_bytes(rows, n, itemsize, self.budget, g.shard_world)
+        self._rs_capacity = self._rs_fixed - n * itemsize
+
+    def _joins_held(self, i: int, joinable: bool) -> bool:
         g, first = self.groups[i], self.groups[self.held[0]]
-        total = sum(self.groups[k].reduce_in_bytes for k in self.held) + g.reduce_in_bytes
+        total = sum(self.groups[k].reduce_out_bytes for k in self.held) + g.reduce_out_bytes
         return (
-            g.reduce_joinable
+            joinable
             and g.reduce_key == first.reduce_key
             and g.reduce_dtype == first.reduce_dtype
             and g.reduce_op == first.reduce_op
-            and total <= self.budget
+            and total <= self._rs_capacity
         )
 
     def _issue_held(self) -> None:
+        """One reduce-scatter of the fixed size, for a bucket of one too."""
         if not self.held:
             return
         members = [self.groups[k] for k in self.held]
         self.held = []
+        world = members[0].shard_world
         self.out.append(
             Collective(
                 "reduce_scatter",
                 bucket_label([m.label for m in members]),
-                sum(m.reduce_in_bytes for m in members),
-                sum(m.reduce_out_bytes for m in members),
-                members[0].shard_world,
+                world * self._rs_fixed,
+                self._rs_fixed,
+                world,
             )
         )
 

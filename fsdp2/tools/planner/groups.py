@@ -37,6 +37,9 @@ class GroupFacts:
     unsharded_bytes: int  # the all-gathered parameters in param_dtype (0: aliases the shard)
     gather_in_bytes: int  # what this rank sends in an all-gather
     grad_bytes: int  # the reduced gradient shard held until the next zero_grad
+    # The reduce-scatter's "used" flags ([Note: gradients on some ranks only]) held beside it,
+    # in the buffer its gradients view: memory, but not what .grad holds.
+    grad_flag_bytes: int
     grad_real_bytes: int  # its real rows (without padding), rank 0
     grad_last_bytes: int  # its real rows on the last rank
     unsharded_grad_bytes: int  # autograd's unsharded gradients in param_dtype, before reduction
@@ -142,12 +145,15 @@ def _facts(group: FSDPParamGroup, label: str, is_root: bool, reshard: bool) -> G
         if (world > 1 or replicas) and not group.settings.reduce_scatter_unused
         else 0
     )
+    flag_bytes = 0
     if group.layout.mixed:  # each reduced shard is cast to its own dtype: real rows only
         grad_bytes = sum(p.local_numel * p.dtype.itemsize for p in trainable)
     else:  # the reduce-scatter's output (one buffer, padding included) in the parameters' dtype
-        # and its flags, unless a cast or a copy to the shards' device leaves them behind
+        grad_bytes = chunk_numel * group.layout.dtype.itemsize
+        # Its flags stay allocated with it (the gradients view that buffer), unless a cast or a
+        # copy to the shards' device leaves them behind: held, but no gradient's.
         kept = group.layout.reduce_dtype == group.layout.dtype and group.settings.offload is None
-        grad_bytes = (chunk_numel + (flags if kept else 0)) * group.layout.dtype.itemsize
+        flag_bytes = flags * group.layout.dtype.itemsize if kept else 0
     partial = group.settings.k_group
     return GroupFacts(
         label=label,
@@ -167,6 +173,7 @@ def _facts(group: FSDPParamGroup, label: str, is_root: bool, reshard: bool) -> G
         unsharded_bytes=0 if group.layout.alias else world * group.layout.plain_numel * gather_unit,
         gather_in_bytes=group.layout.plain_numel * gather_unit,
         grad_bytes=grad_bytes,
+        grad_flag_bytes=flag_bytes,
         grad_real_bytes=sum(p.local_numel * p.dtype.itemsize for p in trainable),
         grad_last_bytes=sum(_last_rank_bytes(p, world) for p in trainable),
         unsharded_grad_bytes=sum(p.numel * p.param_dtype.itemsize for p in trainable),

@@ -35,8 +35,9 @@ class Plan:
     optimizer: str
     param_bytes: int  # the flat shard buffers, padding included
     param_padding_bytes: int  # the most any rank holds (the last ranks: fewest real rows)
-    grad_bytes: int  # reduced gradient shards (held until zero_grad)
+    grad_bytes: int  # reduced gradient shards (held until zero_grad): what .grad holds
     grad_padding_bytes: int
+    grad_flag_bytes: int  # the reduce-scatters' "used" flags, held in the gradients' buffers
     optim_bytes: int
     buffer_bytes: int  # module buffers, whole on every rank
     forward_transient_bytes: int
@@ -56,7 +57,8 @@ class Plan:
 
     @property
     def held_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.optim_bytes + self.buffer_bytes
+        grads = self.grad_bytes + self.grad_flag_bytes
+        return self.param_bytes + grads + self.optim_bytes + self.buffer_bytes
 
     @property
     def transient_bytes(self) -> int:
@@ -68,7 +70,7 @@ class Plan:
         exist (those of the previous step were dropped by ``zero_grad``), beside the groups
         gathered then; later, gradients grow as activations are freed, so the FSDP transient's
         own peak is taken with every gradient held (an upper bound for that phase)."""
-        start = self.held_bytes - self.grad_bytes + self.backward_start_bytes
+        start = self.held_bytes - self.grad_bytes - self.grad_flag_bytes + self.backward_start_bytes
         return max(start + (self.activation_bytes or 0), self.held_bytes + self.transient_bytes)
 
     def counts(self) -> dict[str, int]:
@@ -112,6 +114,7 @@ class Plan:
                 f"{_mib(self.param_bytes)}  (padding {_mib(self.param_padding_bytes)})",
             ),
             ("gradients", f"{_mib(self.grad_bytes)}  (padding {_mib(self.grad_padding_bytes)})"),
+            ("gradient flags (one per parameter)", _mib(self.grad_flag_bytes)),
             (f"optimizer state ({self.optimizer})", _mib(self.optim_bytes)),
             ("buffers", _mib(self.buffer_bytes)),
             ("held between steps", _mib(self.held_bytes)),
