@@ -8,6 +8,7 @@ pinned error message must name the module (or parameter) and say how to fix it.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import unittest
 from collections.abc import Callable
@@ -47,6 +48,22 @@ def small_sequential() -> nn.Sequential:
     return nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
 
 
+def _same_default(mine: Any, theirs: Any) -> bool:
+    """Equal defaults; a policy dataclass's by torch's fields (fsdp2's may have a field a newer
+    torch added, such as 2.15's ``param_dtype_override_fn``, at its own default)."""
+    if dataclasses.is_dataclass(theirs) and not isinstance(theirs, type):
+        if type(mine).__name__ != type(theirs).__name__:
+            return False
+        extra = {f.name for f in dataclasses.fields(mine)} - {
+            f.name for f in dataclasses.fields(theirs)
+        }
+        return all(
+            repr(getattr(mine, f.name, None)) == repr(getattr(theirs, f.name))
+            for f in dataclasses.fields(theirs)
+        ) and all(getattr(mine, name) is None for name in extra)
+    return repr(mine) == repr(theirs)
+
+
 def _signature_problems(what: str, theirs: Any, ours: Any) -> list[str]:
     if not callable(theirs) or isinstance(theirs, type):
         theirs = getattr(theirs, "__init__", None) if isinstance(theirs, type) else None
@@ -63,7 +80,7 @@ def _signature_problems(what: str, theirs: Any, ours: Any) -> list[str]:
         mine = have.get(pname)
         if mine is None:
             problems.append(f"{what}: no parameter {pname!r}")
-        elif mine.kind != param.kind or repr(mine.default) != repr(param.default):
+        elif mine.kind != param.kind or not _same_default(mine.default, param.default):
             problems.append(f"{what}({pname}): {mine} where torch has {param}")
         elif param.kind is param.POSITIONAL_OR_KEYWORD and list(have).index(pname) != i:
             problems.append(f"{what}({pname}): at position {list(have).index(pname)}, not {i}")

@@ -5,6 +5,7 @@ train (the sharded steps equal the single-process ones bitwise: tests/test_muon.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import math
 import warnings
@@ -22,6 +23,14 @@ from tests.harness import run_on_ranks
 U = 2.0**-24
 
 
+# torch 2.15 added "spectral_unclamped": compared wherever the installed torch has it.
+ADJUST_LR_FNS = [None, "original", "match_rms_adamw"] + (
+    ["spectral_unclamped"]
+    if "spectral_unclamped" in inspect.getsource(importlib.import_module("torch.optim._muon"))
+    else []
+)
+
+
 def _muon() -> Any:
     from fsdp2.optim import Muon
 
@@ -33,10 +42,14 @@ def _torch_ns_in(dtype: torch.dtype) -> Any:
     import torch.optim._muon as muon_module
 
     source = inspect.getsource(muon_module._zeropower_via_newtonschulz)
-    if "grad.bfloat16()" not in source:
+    # The cast as torch 2.11-2.14 and 2.15 write it (2.15's copies: the same values).
+    casts = [
+        c for c in ("grad.bfloat16()", "grad.to(dtype=torch.bfloat16, copy=True)") if c in source
+    ]
+    if not casts:
         raise AssertionError("torch's Newton–Schulz changed: update this test")
     scope = dict(vars(muon_module))
-    exec(source.replace("grad.bfloat16()", f"grad.to({dtype})"), scope)
+    exec(source.replace(casts[0], f"grad.to({dtype})"), scope)
     return scope["_zeropower_via_newtonschulz"]
 
 
@@ -62,7 +75,7 @@ def _pair(shape: tuple[int, int], **kw: Any) -> tuple[nn.Parameter, nn.Parameter
 
 
 @pytest.mark.parametrize("shape", [(32, 16), (16, 32)])
-@pytest.mark.parametrize("adjust_lr_fn", [None, "original", "match_rms_adamw"])
+@pytest.mark.parametrize("adjust_lr_fn", ADJUST_LR_FNS)
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_bf16_steps_equal_torchs(
     shape: tuple[int, int], adjust_lr_fn: str | None, nesterov: bool
@@ -236,7 +249,7 @@ class TestArguments:
         )
         assert_expected_inline(
             raised(lambda: Muon(net.parameters(), adjust_lr_fn="rms")),
-            """ValueError: Muon: adjust_lr_fn must be one of (None, 'original', 'match_rms_adamw') (torch.optim.Muon's), got 'rms'""",
+            """ValueError: Muon: adjust_lr_fn must be one of (None, 'original', 'match_rms_adamw', 'spectral_unclamped') (torch.optim.Muon's), got 'rms'""",
         )
         named = [{"params": list(net.named_parameters()), "use_muon": True}]
         assert_expected_inline(

@@ -31,10 +31,8 @@ class MixedPrecisionPolicy:
     """Dtype that the module's floating-point outputs are cast to; ``None`` leaves them alone."""
     cast_forward_inputs: bool = True
     """Whether floating-point forward inputs are cast to ``param_dtype``."""
-    # Not in the repr: a function's names its address, which differs between ranks, and every
-    # rank checks fully_shard's arguments alike (agreement.py); its answers are checked instead.
     param_dtype_override_fn: Callable[[nn.Parameter], torch.dtype | None] | None = field(
-        default=None, kw_only=True, repr=False
+        default=None, kw_only=True
     )
     """Asked once per parameter at ``fully_shard``: ``None`` or ``param_dtype`` gathers it in
     ``param_dtype``, its own dtype keeps it in that dtype (norms in fp32 beside bf16 weights);

@@ -15,8 +15,8 @@ from fsdp2.optim.matrix import MatrixOptimizer, ParamsT, local
 __all__ = ["Muon", "newton_schulz"]
 
 # torch.optim.Muon's names and meanings: None is "original" (Keller Jordan's sqrt(max(1, A/B))).
-AdjustLRFn = Literal["original", "match_rms_adamw"] | None
-_ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+AdjustLRFn = Literal["original", "match_rms_adamw", "spectral_unclamped"] | None
+_ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral_unclamped")
 # The quintic iteration's coefficients (Keller Jordan's Muon, torch.optim.Muon's defaults): they
 # push every singular value of the normalised matrix into roughly [0.7, 1.2] in five steps, fast
 # rather than exactly to 1.
@@ -67,6 +67,8 @@ def lr_scale(shape: tuple[int, ...], adjust_lr_fn: AdjustLRFn) -> float:
     rows, cols = shape[-2], shape[-1]
     if adjust_lr_fn == "match_rms_adamw":
         return 0.2 * math.sqrt(max(rows, cols))
+    if adjust_lr_fn == "spectral_unclamped":  # torch 2.15's third choice (Bernstein's)
+        return math.sqrt(rows / cols)
     return math.sqrt(max(1.0, rows / cols))  # None, "original"
 
 
@@ -93,7 +95,8 @@ class Muon(MatrixOptimizer):
     ``p *= 1 - lr * weight_decay; p -= lr * scale * update``, where ``adjust_lr_fn`` gives
     ``scale``: ``None`` or ``"original"``, ``sqrt(max(1, rows / cols))`` (Keller Jordan's);
     ``"match_rms_adamw"``, ``0.2 * sqrt(max(rows, cols))``, an update with AdamW's element RMS,
-    so AdamW's lr and weight decay carry over (Moonshot's).
+    so AdamW's lr and weight decay carry over (Moonshot's); ``"spectral_unclamped"``,
+    ``sqrt(rows / cols)`` (Bernstein's, new in torch 2.15; offered on every release).
 
     fsdp2's choice: ``ns_dtype=torch.float32`` (closer to exact; torch always uses bf16, which
     ``ns_dtype=torch.bfloat16`` reproduces). Momentum and decay are separately rounded multiplies
@@ -117,7 +120,8 @@ class Muon(MatrixOptimizer):
         ns_coefficients: the quintic Newton–Schulz coefficients ``(a, b, c)``.
         eps: the norm is clamped at it before Newton–Schulz (default 1e-7).
         ns_steps: Newton–Schulz steps, in [1, 100) (default 5).
-        adjust_lr_fn: ``None``/``"original"`` or ``"match_rms_adamw"`` (see above).
+        adjust_lr_fn: ``None``/``"original"``, ``"match_rms_adamw"`` or
+            ``"spectral_unclamped"`` (see above).
         ns_dtype: the dtype Newton–Schulz runs in (default ``torch.float32``).
         adamw_params: parameters (or ``(name, parameter)`` pairs) trained with AdamW.
         adamw_lr: AdamW's learning rate (default 3e-4).
