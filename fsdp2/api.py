@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable
 from types import MethodType
 from typing import Any, cast, overload
@@ -220,11 +219,10 @@ def _apply(
     # Before anything that could raise from this rank's own tensors: see agreement.py.
     kept = {param: mp_policy.kept_dtype(param) for param in slots}
     kept_names = [f"{slots[p][0]}: {dtype}" for p, dtype in kept.items() if dtype is not None]
-    # Every rank compares these (agreement.py): the override function's repr names its address,
-    # which differs between ranks, so its answers are compared instead.
-    policy = dataclasses.replace(mp_policy, param_dtype_override_fn=None)
+    # Every rank compares these (agreement.py): the policy's repr leaves the override function
+    # out (its address differs between ranks), so its answers are compared instead.
     arguments = (
-        f"{info.mesh}, reshard_after_forward={reshard_after_forward!r}, {policy}, "
+        f"{info.mesh}, reshard_after_forward={reshard_after_forward!r}, {mp_policy}, "
         f"{offload_policy}"
         + (f", kept in their dtype: {', '.join(kept_names)}" if kept_names else "")
     )

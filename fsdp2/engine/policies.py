@@ -31,8 +31,11 @@ class MixedPrecisionPolicy:
     """Dtype that the module's floating-point outputs are cast to; ``None`` leaves them alone."""
     cast_forward_inputs: bool = True
     """Whether floating-point forward inputs are cast to ``param_dtype``."""
+    # Not in the repr: a function's repr names its address, which differs between ranks, and
+    # the policy's repr is what every rank compares at fully_shard (agreement.py; its answers
+    # per parameter are compared instead) and what messages and auto_shard's summary print.
     param_dtype_override_fn: Callable[[nn.Parameter], torch.dtype | None] | None = field(
-        default=None, kw_only=True
+        default=None, kw_only=True, repr=False
     )
     """Asked once per parameter at ``fully_shard``: ``None`` or ``param_dtype`` gathers it in
     ``param_dtype``, its own dtype keeps it in that dtype (norms in fp32 beside bf16 weights);
