@@ -69,7 +69,7 @@ __all__ = ["HeldReduces", "PendingBucket", "fixed_row_bytes", "input_nbytes", "r
 
 class PendingBucket:
     """A coalesced reduce-scatter in flight: its members' ``PendingReduce`` share one collective
-    and count as one in flight. ``header``: this rank's reduced header, checked at ``finish``."""
+    and count as one in flight. ``check``: compares the reduced header, at ``finish``."""
 
     __slots__ = ("check", "members")
 
@@ -87,9 +87,11 @@ class PendingBucket:
 
 
 class _Queue(Protocol):
-    """Where issued reductions go (``IterContext.add_reduce``), and the root's groups."""
+    """Where issued reductions go (``IterContext.add_reduce``), the root's groups, and which
+    backward this is (a bucket's fixed size is worked out once per backward)."""
 
     groups: list[FSDPParamGroup]
+    num_backwards: int
 
     def add_reduce(self, reduce: PendingReduce | PendingBucket | None, max_in_flight: int) -> None:
         """Put ``reduce`` in flight."""
@@ -139,6 +141,9 @@ class HeldReduces:
         self.row_bytes = 0  # the members' rows
         self.fixed = 0  # the bucket's row size, header included (fixed_row_bytes)
         self.capacity = 0  # what the members' rows may fill of it
+        # (budget, itemsize, world, backward) -> (fixed, capacity): the rows it is made of are
+        # fixed once a forward took up its changes; computing them walks every group.
+        self._sizes: dict[tuple[int, int, int, int], tuple[int, int]] = {}
 
     def reduce(self, reducer: GradientReducer, queue: _Queue, max_in_flight: int) -> None:
         """Reduce ``reducer``'s gradients: held in the bucket, or issued (after the bucket)."""
@@ -153,7 +158,7 @@ class HeldReduces:
         ):
             self.flush(queue, max_in_flight)
         if joinable and not self.members:
-            self._size_bucket(reducer, queue.groups, budget)
+            self._size_bucket(reducer, queue, budget)
         if not joinable or row > self.capacity:  # alone, as without coalescing
             queue.add_reduce(reducer.reduce_grads(), max_in_flight)
             return
@@ -167,14 +172,20 @@ class HeldReduces:
         self.members.append((reducer, built))
         self.row_bytes += row
 
-    def _size_bucket(
-        self, reducer: GradientReducer, groups: list[FSDPParamGroup], budget: int
-    ) -> None:
+    def _size_bucket(self, reducer: GradientReducer, queue: _Queue, budget: int) -> None:
         """The fixed row size and capacity of a bucket that ``reducer`` would start."""
-        itemsize = reducer.layout.reduce_dtype.itemsize
-        rows = [input_nbytes(g.reducer) // g.shard_size for g in groups if rs_joinable(g.reducer)]
-        self.fixed = fixed_row_bytes(rows, len(groups), itemsize, budget, reducer.shard_size)
-        self.capacity = self.fixed - len(groups) * itemsize
+        itemsize, world = reducer.layout.reduce_dtype.itemsize, reducer.shard_size
+        key = (budget, itemsize, world, queue.num_backwards)
+        sized = self._sizes.get(key)
+        if sized is None:
+            groups = queue.groups
+            rows = [
+                input_nbytes(g.reducer) // g.shard_size for g in groups if rs_joinable(g.reducer)
+            ]
+            fixed = fixed_row_bytes(rows, len(groups), itemsize, budget, world)
+            self._sizes = {key: (fixed, fixed - len(groups) * itemsize)}  # older ones: stale
+            sized = self._sizes[key]
+        self.fixed, self.capacity = sized
 
     def _compatible(self, reducer: GradientReducer) -> bool:
         first = self.members[0][0]
@@ -208,9 +219,8 @@ def _issue(
     header = len(groups)
     inp = built.inp.new_zeros((world, fixed // dtype.itemsize))
     own = torch.zeros(header, dtype=dtype)
-    index = {id(g.reducer): i for i, g in enumerate(groups)}
-    for reducer, _ in members:
-        own[index[id(reducer)]] = 1
+    mine = {id(reducer) for reducer, _ in members}
+    own[[i for i, g in enumerate(groups) if id(g.reducer) in mine]] = 1
     inp[:, :header] = own.to(inp.device)
     offset = header
     for _, each in members:

@@ -16,9 +16,6 @@ import torch
 
 __all__ = ["CLEAR_NATIVE_DTENSOR_CACHE", "RULES", "TORCH_RELEASE", "ReleaseRules", "rules_for"]
 
-# The oldest and the newest release fsdp2 is tested beside (pyproject.toml's range).
-SUPPORTED = ((2, 11), (2, 15))
-
 
 def parse_release(version: str) -> tuple[int, int]:
     """``"2.15.0+cu132"`` -> ``(2, 15)``; a nightly ``"2.16.0.dev20261101"`` -> ``(2, 16)``."""
