@@ -321,7 +321,7 @@ def _held_reduce_bytes(budget: int) -> dict[str, int]:
 
     saved = coalesce_bytes()
 
-    held = coalesce_reduce.HeldReduces
+    held = coalesce_reduce.Reductions
     real_reduce, real_flush = held.reduce, held.flush
     peak = {"bytes": 0, "members": 0}
 

@@ -1,6 +1,6 @@
 """The order in which a tensor's hooks run when it is one module's output and another's input:
 the consumer's input hook first, whether it joined the producer's ``OutputHook`` or was
-prepended to the tensor's hooks (inputs.py)."""
+prepended to the tensor's hooks (backward_done.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from fsdp2.engine.inputs import InputHooks, OutputHook, hook_output
+from fsdp2.engine.backward_done import InputHooks, OutputHook, hook_output
 
 
 @pytest.mark.parametrize("user_hook_first", [False, True])

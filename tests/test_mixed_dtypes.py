@@ -77,7 +77,7 @@ class Net(nn.Module):
             x = block(x)
         # Under bf16 mixed precision the cast is a no-op: autograd saves the root's unsharded
         # frozen parameter itself and reads it after the head's gradients are in, to compute
-        # the blocks' output gradient (see inputs.py: the root's call is held).
+        # the blocks' output gradient (see backward_done.py: the root's call is held).
         norm = self.frozen_norm.to(x.dtype)
         return F.mse_loss(self.head(x * norm).float(), y.float())
 

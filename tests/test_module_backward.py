@@ -1,5 +1,5 @@
 """A group is freed only once autograd is done with it, not merely once its trainable gradients
-are in ([Note: when a module's backward is done] in fsdp2/engine/inputs.py).
+are in ([Note: when a module's backward is done] in fsdp2/engine/backward_done.py).
 
 Frozen parameters read to compute input gradients after the last trainable gradient landed
 (LoRA: a frozen base Linear beside trainable adapters in one group; a frozen norm in a chunked

@@ -1,8 +1,9 @@
-"""The engine's two state machines refuse an illegal transition, naming both states.
+"""The engine's state machine refuses an illegal transition, naming both states.
 
-A group's sharded state changes only in ``FSDPParamGroup._enter`` and a module's training state
-only in ``FSDPState.enter``; both check the state they leave. No user action reaches these
-errors (the whole suite runs through the legal edges), so the test drives them directly.
+A group's sharded state changes only in ``FSDPParamGroup._enter``, which checks the state it
+leaves. No user action reaches the error (the whole suite runs through the legal edges), so the
+test drives it directly. (A module's ``TrainingState`` is no checked machine: every pair of its
+states is a real edge; see its docstring.)
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("fsdp2_only")
 def _illegal_transitions() -> list[str]:
     from fsdp2 import fully_shard
     from fsdp2.engine.param_group import ShardedState
-    from fsdp2.engine.state import TrainingState, state_of
+    from fsdp2.engine.state import state_of
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     fully_shard(model[0])
@@ -32,15 +33,10 @@ def _illegal_transitions() -> list[str]:
     with pytest.raises(AssertionError) as err:
         group._enter(ShardedState.K_SHARDED)  # only an unsharded group reshards to k ranks
     seen.append(str(err.value))
-    state.enter(TrainingState.PRE_BACKWARD)
-    with pytest.raises(AssertionError) as err:
-        state.enter(TrainingState.PRE_BACKWARD)
-    seen.append(str(err.value))
     return seen
 
 
 def test_illegal_transitions_raise() -> None:
-    group_msg, state_msg = run_on_ranks(1, _illegal_transitions)[0]
+    (group_msg,) = run_on_ranks(1, _illegal_transitions)[0]
     assert "illegal transition SHARDED -> K_SHARDED" in group_msg
     assert "expected to leave one of UNSHARDED" in group_msg
-    assert "illegal transition PRE_BACKWARD -> PRE_BACKWARD" in state_msg

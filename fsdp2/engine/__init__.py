@@ -1,13 +1,23 @@
 """The engine: what runs around every forward and backward of a sharded module.
 
-Read the files in the order data flows through them: ``module.py`` (the methods a sharded module
-gains) → ``state.py`` (the hooks around forward and backward; ``registry.py`` finds the states,
-``iteration.py`` holds one root's pass, ``prefetch.py`` picks what to gather next,
-``coalesce.py`` gathers runs of small groups in one collective) →
-``param_group.py`` (one
-``fully_shard`` call's parameters: the unshard/reshard state machine) → ``layout.py`` and
-``param.py`` (where each parameter lives in the group's flat buffers) → ``reduce.py`` (the
-gradient side) → ``collectives.py`` (the one seam to the process group).
+Read the files in the order data flows through them:
+
+- ``module.py``: the methods a sharded module gains (``FSDPModule``).
+- ``state.py``: the hooks around one ``fully_shard`` call's forward and backward; at each
+  pre-forward ``changes.py`` takes up what the user changed on the module, and
+  ``backward_done.py`` says when a module's backward is done (its inputs' gradients are in).
+  ``registry.py`` finds the states of a module tree.
+- ``iteration.py``: one root's pass (``IterContext``): the recorded order, and
+  ``finish_group``, the one place a group is finished with a backward (reshard, then reduce or
+  stash), and the end of backward.
+- the gather side: ``prefetch.py`` picks what to gather next, ``coalesce.py`` gathers a run of
+  small groups in one collective, ``param_group.py`` is one call's parameters and their
+  unshard/reshard state machine, ``layout.py`` and ``param.py`` place each parameter in the
+  group's flat buffers.
+- the gradient side: ``reduce.py`` (a group's reduce-scatter), ``coalesce_reduce.py``
+  (``Reductions``: the backward's reduce-scatters, held for coalescing, in flight, reduced),
+  ``grads.py`` (a gradient on its way in, and handed to the sharded parameter).
+- ``collectives.py``: the one seam to the process group.
 
 The tensors, per group and per rank (``W`` = the shard group's size):
 

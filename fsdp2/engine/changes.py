@@ -112,7 +112,7 @@ def _adopt_replaced(group: FSDPParamGroup) -> None:
     for fsdp_param, new in found:
         new._fsdp2_owner = fsdp_param.owner  # type: ignore[attr-defined]
         fsdp_param.sharded_param = new
-    group.rebuild(force=True)
+    group.repack(force=True)
 
 
 def _replacement(fsdp_param: FSDPParam) -> nn.Parameter | None:

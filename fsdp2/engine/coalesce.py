@@ -79,7 +79,7 @@ __all__ = [
     "check_on_host",
     "coalesce_bytes",
     "fixed_send_bytes",
-    "gather_with_following",
+    "gather_coalesced",
     "header_bytes",
     "set_coalesce_bytes",
 ]
@@ -206,7 +206,7 @@ def _send_bytes(group: FSDPParamGroup) -> int:
     return _aligned(group.layout.plain_numel * group.layout.param_dtype.itemsize)
 
 
-def gather_with_following(group: FSDPParamGroup, ctx: Context, backward: bool) -> bool:
+def gather_coalesced(group: FSDPParamGroup, ctx: Context, backward: bool) -> bool:
     """Start ``group``'s gather together with the small groups that come after it in ``order``
     (``backward``: those before it, in reverse). Returns False, gathering nothing, when ``group``
     cannot be coalesced: the caller then gathers it alone. A bucket of one is still a coalesced

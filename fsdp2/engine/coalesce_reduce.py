@@ -52,19 +52,28 @@ the first member finishes, as a single group's input is.
 
 from __future__ import annotations
 
+from collections import deque
 from functools import partial
-from typing import Protocol
 
 import torch
 
 from fsdp2.debug.checks import CollectiveMismatchError
 from fsdp2.engine.coalesce import bucket_label, check_on_host, coalesce_bytes
 from fsdp2.engine.collectives import reduce_scatter
-from fsdp2.engine.grads import Reduced
+from fsdp2.engine.grads import Reduced, hand_over
 from fsdp2.engine.param_group import FSDPParamGroup
 from fsdp2.engine.reduce import GradientReducer, PendingReduce, ReduceInput, reduce_op
 
-__all__ = ["HeldReduces", "PendingBucket", "fixed_row_bytes", "input_nbytes", "rs_joinable"]
+__all__ = [
+    "UNBOUNDED",
+    "PendingBucket",
+    "Reductions",
+    "fixed_row_bytes",
+    "input_nbytes",
+    "rs_joinable",
+]
+
+UNBOUNDED = 1_000_000  # max_in_flight where everything is issued before anything waits
 
 
 class PendingBucket:
@@ -84,17 +93,6 @@ class PendingBucket:
         self.members[0].pending.wait()
         self.check()  # before any member's gradients are handed out
         return [shard for member in self.members for shard in member.finish()]
-
-
-class _Queue(Protocol):
-    """Where issued reductions go (``IterContext.add_reduce``), the root's groups, and which
-    backward this is (a bucket's fixed size is worked out once per backward)."""
-
-    groups: list[FSDPParamGroup]
-    num_backwards: int
-
-    def add_reduce(self, reduce: PendingReduce | PendingBucket | None, max_in_flight: int) -> None:
-        """Put ``reduce`` in flight."""
 
 
 def rs_joinable(reducer: GradientReducer) -> bool:
@@ -133,34 +131,40 @@ def fixed_row_bytes(
     return min(share, header + sum(r for r in rows if header + r <= share))
 
 
-class HeldReduces:
-    """One iteration's held bucket: built reduce-scatter inputs whose collective waits."""
+class Reductions:
+    """The reductions of one root's backward, in the order they are decided: the held bucket
+    (built inputs whose collective waits, [Note: coalesced reduce-scatters]), the collectives in
+    flight, and the reduced shards, handed to the parameters only when backward ends (so that a
+    backward that raises leaves no partial gradients behind: ``drop``)."""
 
-    def __init__(self) -> None:
-        self.members: list[tuple[GradientReducer, ReduceInput]] = []
+    def __init__(self, groups: list[FSDPParamGroup]) -> None:
+        self.groups = groups  # the root's: a bucket's header has one element per group
+        self.in_flight: deque[PendingReduce | PendingBucket] = deque()
+        self.reduced: list[Reduced] = []
+        self.members: list[tuple[GradientReducer, ReduceInput]] = []  # the held bucket
         self.row_bytes = 0  # the members' rows
         self.fixed = 0  # the bucket's row size, header included (fixed_row_bytes)
         self.capacity = 0  # what the members' rows may fill of it
-        # (budget, itemsize, world, backward) -> (fixed, capacity): the rows it is made of are
-        # fixed once a forward took up its changes; computing them walks every group.
-        self._sizes: dict[tuple[int, int, int, int], tuple[int, int]] = {}
+        # (budget, itemsize, world) -> (fixed, capacity), for this backward: the rows it is
+        # made of are fixed once a forward took up its changes; computing them walks every group.
+        self._sizes: dict[tuple[int, int, int], tuple[int, int]] = {}
 
-    def reduce(self, reducer: GradientReducer, queue: _Queue, max_in_flight: int) -> None:
+    def reduce(self, reducer: GradientReducer, max_in_flight: int) -> None:
         """Reduce ``reducer``'s gradients: held in the bucket, or issued (after the bucket)."""
         budget = coalesce_bytes()
         if not reducer.layout.trainable:  # nothing to reduce, on any rank: the bucket stays
-            queue.add_reduce(reducer.reduce_grads(), max_in_flight)
+            self._add(reducer.reduce_grads(), max_in_flight)
             return
         joinable = bool(budget) and rs_joinable(reducer)
         row = input_nbytes(reducer) // reducer.shard_size if joinable else 0
         if self.members and not (
             joinable and self._compatible(reducer) and self.row_bytes + row <= self.capacity
         ):
-            self.flush(queue, max_in_flight)
+            self.flush(max_in_flight)
         if joinable and not self.members:
-            self._size_bucket(reducer, queue, budget)
+            self._size_bucket(reducer, budget)
         if not joinable or row > self.capacity:  # alone, as without coalescing
-            queue.add_reduce(reducer.reduce_grads(), max_in_flight)
+            self._add(reducer.reduce_grads(), max_in_flight)
             return
         built = reducer.build_input(always=True)
         if not isinstance(built, ReduceInput) or built.inp.nbytes != row * reducer.shard_size:
@@ -172,19 +176,18 @@ class HeldReduces:
         self.members.append((reducer, built))
         self.row_bytes += row
 
-    def _size_bucket(self, reducer: GradientReducer, queue: _Queue, budget: int) -> None:
+    def _size_bucket(self, reducer: GradientReducer, budget: int) -> None:
         """The fixed row size and capacity of a bucket that ``reducer`` would start."""
         itemsize, world = reducer.layout.reduce_dtype.itemsize, reducer.shard_size
-        key = (budget, itemsize, world, queue.num_backwards)
+        key = (budget, itemsize, world)
         sized = self._sizes.get(key)
         if sized is None:
-            groups = queue.groups
+            groups = self.groups
             rows = [
                 input_nbytes(g.reducer) // g.shard_size for g in groups if rs_joinable(g.reducer)
             ]
             fixed = fixed_row_bytes(rows, len(groups), itemsize, budget, world)
-            self._sizes = {key: (fixed, fixed - len(groups) * itemsize)}  # older ones: stale
-            sized = self._sizes[key]
+            sized = self._sizes[key] = (fixed, fixed - len(groups) * itemsize)
         self.fixed, self.capacity = sized
 
     def _compatible(self, reducer: GradientReducer) -> bool:
@@ -196,16 +199,48 @@ class HeldReduces:
             and reducer.sums() == first.sums()
         )
 
-    def flush(self, queue: _Queue, max_in_flight: int) -> None:
+    def flush(self, max_in_flight: int) -> None:
         """Issue the held bucket, if any, as one reduce-scatter of the fixed size (a bucket of
         one too: see [Note: coalesced reduce-scatters])."""
         members, self.members, self.row_bytes = self.members, [], 0
         if members:
-            queue.add_reduce(_issue(members, queue.groups, self.fixed), max_in_flight)
+            self._add(_issue(members, self.groups, self.fixed), max_in_flight)
+
+    def _add(self, reduce: PendingReduce | PendingBucket | None, max_in_flight: int) -> None:
+        """Put ``reduce`` in flight, first finishing older ones beyond ``max_in_flight - 1``."""
+        if reduce is None:
+            return
+        while len(self.in_flight) >= max_in_flight:
+            self.reduced.extend(self.in_flight.popleft().finish())
+        self.in_flight.append(reduce)
+
+    def reap(self) -> None:
+        """Finish the reduce-scatters that have completed, oldest first, without blocking: each
+        holds an input as large as its group's gradients until then. Not those whose finish
+        issues a collective (HSDP): completion times differ between ranks."""
+        while self.in_flight and self.in_flight[0].finished_locally():
+            self.reduced.extend(self.in_flight.popleft().finish())
+
+    def wait_all(self) -> None:
+        """Issue the held bucket and wait for every reduction."""
+        self.flush(max_in_flight=UNBOUNDED)
+        while self.in_flight:
+            self.reduced.extend(self.in_flight.popleft().finish())
+
+    def hand_over(self) -> None:
+        """The end of backward: the reduced shards to the parameters' ``.grad``; the next
+        backward sizes its buckets afresh."""
+        reduced, self.reduced = self.reduced, []
+        hand_over(reduced)
+        self._sizes = {}
 
     def drop(self) -> None:
-        """Forget the held inputs (a reset: the failed iteration's gradients are dropped)."""
+        """A reset: forget the held inputs, finish what is in flight, drop every reduced shard."""
         self.members, self.row_bytes = [], 0
+        while self.in_flight:
+            self.in_flight.popleft().finish()
+        self.reduced = []
+        self._sizes = {}
 
 
 def _issue(

@@ -20,17 +20,14 @@ waited for, a forward raises; a reset makes its handle raise.
 from __future__ import annotations
 
 import logging
-from collections import deque
 from typing import Generic, Protocol, TypeVar
 
 import torch
 from torch.autograd import Variable
 
-from fsdp2.engine.coalesce_reduce import HeldReduces, PendingBucket
+from fsdp2.engine.coalesce_reduce import UNBOUNDED, Reductions
 from fsdp2.engine.collectives import forget_deferred_checks, run_deferred_checks
-from fsdp2.engine.grads import Reduced, hand_over
 from fsdp2.engine.param_group import FSDPParamGroup
-from fsdp2.engine.reduce import GradientReducer, PendingReduce
 
 __all__ = ["IterContext", "trace"]
 
@@ -72,12 +69,7 @@ class IterContext(Generic[_Member]):
         self.forward_order: list[FSDPParamGroup] = []  # last completed forward's group order
         self.recording: list[FSDPParamGroup] = []
         self.iteration = 0
-        # Reduce-scatters not waited for yet, and the inputs of those held to be coalesced.
-        self.in_flight: deque[PendingReduce | PendingBucket] = deque()
-        self.held = HeldReduces()  # see [Note: coalesced reduce-scatters]
-        # Reduced shards are handed to the parameters only when backward ends, so a backward
-        # that raises leaves no partial gradients behind (see reset()).
-        self.reduced: list[Reduced] = []
+        self.reductions = Reductions(self.groups)  # held, in flight, reduced
         self.callback_queued = False
         self.num_backwards = 0  # ends of backward so far: with the iteration, names a round
         self.num_forwards = 0  # sharded forward calls so far: which ran inside which
@@ -131,25 +123,6 @@ class IterContext(Generic[_Member]):
                 self.manual_active = self.states[0].manual_finalization
             Variable._execution_engine.queue_callback(self.end_of_backward)
 
-    def reduce(self, reducer: GradientReducer, max_in_flight: int) -> None:
-        """Reduce ``reducer``'s gradients now, or hold them to be coalesced with the next."""
-        self.held.reduce(reducer, self, max_in_flight)
-
-    def add_reduce(self, reduce: PendingReduce | PendingBucket | None, max_in_flight: int) -> None:
-        """Put ``reduce`` in flight, first finishing older ones beyond ``max_in_flight - 1``."""
-        if reduce is None:
-            return
-        while len(self.in_flight) >= max_in_flight:
-            self.reduced.extend(self.in_flight.popleft().finish())
-        self.in_flight.append(reduce)
-
-    def reap(self) -> None:
-        """Finish the reduce-scatters that have completed, oldest first, without blocking: each
-        holds an input as large as its group's gradients until then. Not those whose finish
-        issues a collective (HSDP): completion times differ between ranks."""
-        while self.in_flight and self.in_flight[0].finished_locally():
-            self.reduced.extend(self.in_flight.popleft().finish())
-
     def end_of_backward(self) -> None:
         """Reduce whatever was not reduced yet, wait for it all, and reshard every group.
         After a backward with ``create_graph=True`` (grad mode is on in its hooks) the groups
@@ -160,66 +133,70 @@ class IterContext(Generic[_Member]):
         keep_gathered = torch.is_grad_enabled()
         manual = bool(self.manual_active)
         for group in self.groups:
-            if not group.settings.requires_gradient_sync:
-                # A group whose module's backward did not finish in this backward (a list group
-                # where only one module ran: torchtitan's chunked loss on [norm, lm_head]) has not
-                # stashed yet; left in .grad, the next micro-step would sum in param_dtype.
-                group.reducer.stash_grads()
-            elif not manual and group.reducer.reduces_at_end():  # manual: finalize_backward's
-                if group.settings.reshard_after_backward and not keep_gathered:
-                    group.reshard()  # first, as in _finish_if_done: free before the collective
-                self.reduce(group.reducer, max_in_flight=1_000_000)
-        self.held.flush(self, max_in_flight=1_000_000)  # before anything waits for a reduction
+            # Without sync: a group whose module's backward did not finish in this backward (a
+            # list group where only one module ran: torchtitan's chunked loss on [norm,
+            # lm_head]) has not stashed yet; left in .grad, the next micro-step would sum in
+            # param_dtype. With sync in manual mode: finalize_backward reduces it.
+            if not (manual and group.settings.requires_gradient_sync):
+                self.finish_group(group, UNBOUNDED, keep_gathered=keep_gathered)
         if self.is_last_backward and not manual:
             self.wait_for_reductions()
-        hand_over(self.reduced)
-        self.reduced = []
+        else:
+            self.reductions.flush(UNBOUNDED)  # before anything waits for a reduction
+        self.reductions.hand_over()
         for state in self.states:
             state.end_backward(keep_gathered)
         self.callback_queued = False
         self.num_backwards += 1
 
-    def finish_group(self, group: FSDPParamGroup) -> None:
-        """Reduce the gradients ``group``'s backward passes left unreduced (summed over the
-        micro-batches that ran without sync), resharding first if it reshards after backward;
-        without gradient sync, fold them into the unreduced sum instead. Nothing left: only
-        the reshard. Pipelining's ``post_backward()`` and ``finalize_backward`` both end here."""
-        if group.settings.reshard_after_backward:
+    def finish_group(
+        self,
+        group: FSDPParamGroup,
+        max_in_flight: int,
+        *,
+        keep_gathered: bool = False,
+        always: bool = False,
+    ) -> None:
+        """The one place a group is finished with a backward: reshard it (if it reshards after
+        backward, and unless ``keep_gathered``: a ``create_graph`` backward's hooks), first,
+        since the reduction needs only the gradients; then reduce its gradients, or, without
+        gradient sync, fold them into the unreduced sum. ``always``: reduce even what holds no
+        gradient on this rank (a module's backward is done: every rank reduces there, maybe
+        zeros for a coalesced bucket); otherwise only what is left (summed over micro-batches
+        without sync, or ``set_reduce_scatter_unused_params``'s zeros). Called when a module's
+        backward is done (``FSDPState``), at the end of backward, by ``finalize_backward`` and
+        pipelining's ``post_backward()``."""
+        if group.settings.reshard_after_backward and not keep_gathered:
             group.reshard()
         if not group.settings.requires_gradient_sync:
             group.reducer.stash_grads()
-        elif group.reducer.reduces_at_end():
-            self.reduce(group.reducer, group.settings.max_in_flight)
+        elif always or group.reducer.reduces_at_end():
+            self.reductions.reduce(group.reducer, max_in_flight)
 
     def finalize_backward(self) -> None:
         """The first half of ``FSDPModule.finalize_backward``: every group finished, last group
         first (backward's order), and the reductions issued, not waited for."""
         for group in reversed(self.groups):
-            self.finish_group(group)
-        self.held.flush(self, max_in_flight=1_000_000)
+            self.finish_group(group, group.settings.max_in_flight)
+        self.reductions.flush(UNBOUNDED)
 
     def wait_for_reductions(self) -> None:
-        """Wait for every reduction in flight; the backward iteration is over. The reduced
-        shards are handed to the parameters by the caller (``hand_over``)."""
-        while self.in_flight:
-            self.reduced.extend(self.in_flight.popleft().finish())
+        """Wait for every reduction; the backward iteration is over. The reduced shards are
+        handed to the parameters by the caller (``Reductions.hand_over``)."""
+        self.reductions.wait_all()
         self.manual_active = None
 
     def end_finalization(self) -> None:
         """The second half of ``finalize_backward`` (or its handle's ``wait()``): wait for the
         reductions and hand the reduced shards to the parameters."""
         self.wait_for_reductions()
-        hand_over(self.reduced)
-        self.reduced = []
+        self.reductions.hand_over()
         self.pending_reduction = None
 
     def reset(self) -> None:
         """Forget a failed iteration: its collectives, its gradients, its unsharded parameters."""
         forget_deferred_checks()
-        self.held.drop()
-        while self.in_flight:
-            self.in_flight.popleft().finish()
-        self.reduced = []
+        self.reductions.drop()
         for state in self.states:
             state.forget_iteration()
         self.callback_queued = False

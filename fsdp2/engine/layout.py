@@ -71,7 +71,7 @@ class FlatLayout:
         self.plain_params = [p for p in self.params if not p.extension]
         self.ext_params = [p for p in self.params if p.extension]
         for fsdp_param in self.params:
-            fsdp_param.plan(info)
+            fsdp_param.set_chunk(info)
         self.set_dtypes()
         self._check_even_extensions()
         self.stale = False  # some parameters replaced, not yet re-packed (see repack)
@@ -225,7 +225,7 @@ class FlatLayout:
     # -- re-packing ------------------------------------------------------------------------------
 
     def needs_repack(self, force: bool) -> bool:
-        """Whether to re-pack now (see ``FSDPParamGroup.rebuild``): once every parameter was
+        """Whether to re-pack now (see ``FSDPParamGroup.repack``): once every parameter was
         replaced, or ``force``; a partial replacement marks the layout ``stale`` and waits."""
         replaced = [not p.in_buffer() for p in self.params]
         if not force:

@@ -73,7 +73,7 @@ class FSDPModule:
             group.reshard()
         result = super()._apply(fn, recurse)  # type: ignore[misc]
         for group in groups:
-            group.rebuild()
+            group.repack()
         return result
 
     def load_state_dict(
@@ -152,7 +152,7 @@ class FSDPModule:
             if not state.is_root:
                 raise RuntimeError(
                     f"set_manual_backward_finalization was called on {type(self).__name__} "
-                    f"({state.fqn}), which is not the root fsdp2 module; call it on the module "
+                    f"({state.label}), which is not the root fsdp2 module; call it on the module "
                     "you run forward on"
                 )
             if enabled != state.manual_finalization and in_backward():
@@ -190,7 +190,7 @@ class FSDPModule:
             )
         if not state.is_root:
             raise RuntimeError(
-                f"finalize_backward was called on {type(self).__name__} ({state.fqn}), which is "
+                f"finalize_backward was called on {type(self).__name__} ({state.label}), which is "
                 "not the root fsdp2 module; call it on the module you run forward on"
             )
         manual = ctx.manual_active if ctx.manual_active is not None else state.manual_finalization
@@ -219,7 +219,7 @@ class FSDPModule:
             return  # never ran: nothing to reset
         if not state.is_root:
             raise RuntimeError(
-                f"reset_iter_state() was called on {type(self).__name__} ({state.fqn}), which is "
+                f"reset_iter_state() was called on {type(self).__name__} ({state.label}), which is "
                 "not the root fsdp2 module; call it on the module you run forward on"
             )
         state.ctx.reset()

@@ -108,7 +108,7 @@ class FSDPParam:
         self._hooked: nn.Parameter | None = None  # the unsharded parameter given on_grad_ready
         self.unreduced: torch.Tensor | None = None  # no-sync gradient sum, in reduce_dtype
 
-    def plan(self, info: MeshInfo) -> None:
+    def set_chunk(self, info: MeshInfo) -> None:
         """Fix this rank's chunk: ``chunk_numel`` (padded, equal on all ranks) and the real part,
         and the mesh and placements of the sharded DTensor."""
         world, rank, dim = info.shard_size, info.shard_rank, self.dim

@@ -205,7 +205,7 @@ class FSDPParamGroup:
             )
         self.state = state
 
-    def rebuild(self, force: bool = False) -> None:
+    def repack(self, force: bool = False) -> None:
         """Re-pack the sharded parameters into fresh buffers once something (``module.to(...)``,
         ``to_empty``, ``load_state_dict(assign=True)``) replaced their tensors, adopting their new
         device and dtype. A group spanning several modules is converted one module at a time:
@@ -217,14 +217,14 @@ class FSDPParamGroup:
         self.reshard()
         self.layout.repack()
 
-    def _repack_if_stale(self) -> None:
+    def _repack_stale(self) -> None:
         """Before a gather: finish a deferred re-pack (see ``FlatLayout.check_repackable``)."""
         if not self.layout.stale:
             return
-        self.rebuild()
+        self.repack()
         if self.layout.stale:
             self.layout.check_repackable()
-            self.rebuild(force=True)
+            self.repack(force=True)
 
     # -- unshard / reshard -----------------------------------------------------------------------
 
@@ -233,7 +233,7 @@ class FSDPParamGroup:
         """Start gathering the full parameters (no-op if unsharded or already under way)."""
         if self.state is ShardedState.UNSHARDED or self._gather is not None:
             return
-        self._repack_if_stale()
+        self._repack_stale()
         layout = self.layout
         if layout.alias:
             return

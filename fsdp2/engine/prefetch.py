@@ -26,14 +26,14 @@ all-gathers per step instead of 14).
 from __future__ import annotations
 
 from fsdp2.engine.changes import take_up_changes
-from fsdp2.engine.coalesce import Context, gather_with_following
+from fsdp2.engine.coalesce import Context, gather_coalesced
 from fsdp2.engine.param_group import FSDPParamGroup
 
 __all__ = ["prefetch_after", "prefetch_before"]
 
 
 def _start(target: FSDPParamGroup, ctx: Context, coalesce: bool, backward: bool) -> None:
-    if not (coalesce and gather_with_following(target, ctx, backward)):
+    if not (coalesce and gather_coalesced(target, ctx, backward)):
         target.unshard()  # a no-op if it is gathered or under way
 
 

@@ -8,7 +8,7 @@ nodes will run in this graph task; when that many have fired, every gradient the
 in. Parameters outside this backward's graph are not waited for; anything that never fires is
 caught by the end-of-backward callback. The group reshards and reduce-scatters them in one
 collective once its module's backward is done too ([Note: when a module's backward is done] in
-inputs.py): resharding first, so that the collective's buffers never coexist with the
+backward_done.py): resharding first, so that the collective's buffers never coexist with the
 unsharded parameters.
 
 A reentrant activation checkpoint runs each block's backward as a nested graph task, whose
@@ -177,6 +177,12 @@ class GradientReducer:
         self._task, self._ready, self._expected = task, 0, self._count_expected()
         self.backward_task = task if self._expected else -1
         self.grads_ready = not self._expected  # none to wait for: only the module's backward
+
+    def end_backward(self) -> None:
+        """The end of a backward (or a reset): nothing counted, claimed or reduced in it."""
+        self.reduced_in_backward = False
+        self.grads_ready = False
+        self.backward_task = -1
 
     def _count_expected(self) -> int:
         try:

@@ -20,9 +20,9 @@ import torch.nn as nn
 from torch._compile import _disable_dynamo
 
 from fsdp2.engine.agreement import check_materialized
+from fsdp2.engine.backward_done import InputHooks, hook_output
 from fsdp2.engine.changes import take_up_changes
-from fsdp2.engine.coalesce import coalesce_bytes, gather_with_following
-from fsdp2.engine.inputs import InputHooks, hook_output
+from fsdp2.engine.coalesce import coalesce_bytes, gather_coalesced
 from fsdp2.engine.iteration import IterContext, trace
 from fsdp2.engine.param_group import FSDPParamGroup
 from fsdp2.engine.policies import MixedPrecisionPolicy, cast_floats
@@ -51,8 +51,10 @@ def in_backward() -> bool:
 
 
 class TrainingState(Enum):
-    """Where an ``FSDPState`` is in the iteration; shown in ``repr`` and checked by the hooks.
-    Changed only by ``FSDPState.enter``, which checks ``_ENTERED_FROM``."""
+    """Where an ``FSDPState`` is in the iteration; shown in ``repr``, read by the hooks. Not a
+    checked state machine: every pair of states is a real edge (a backward inside a forward, a
+    checkpoint recomputing a forward in backward, an iteration that raised), so a table of
+    legal transitions would allow them all."""
 
     IDLE = auto()  # at init, after its post-forward, and after the end of backward
     FORWARD = auto()  # between its pre-forward and post-forward: parameters unsharded
@@ -65,27 +67,6 @@ class TrainingState(Enum):
     # Members are singletons: hash by identity, in C. Enum's own __hash__ is Python code, run
     # at every state change (several times per group and step).
     __hash__ = object.__hash__
-
-
-_ANY = frozenset(TrainingState)
-# The states each training state may be entered from. The usual round is IDLE, FORWARD, IDLE,
-# PRE_BACKWARD, POST_BACKWARD, IDLE; the other edges are reached too:
-# - IDLE from any: the end of backward and a reset end every state's iteration; post_forward
-#   leaves FORWARD, IDLE (another module of the same call ran inside, or no parameters) or
-#   POST_BACKWARD (its gradients were reduced by a backward run inside its forward).
-# - FORWARD from any: after a forward or backward that raised; a module of the same call
-#   running inside another; a checkpoint recomputing it in backward.
-# - PRE_BACKWARD from all but itself (its hook returns first): from FORWARD through a backward
-#   inside its forward, from POST_BACKWARD when an output's gradient arrives after its
-#   gradients were reduced.
-# - POST_BACKWARD from any: from itself at its second group (shard_placement_fn's meshes), from
-#   IDLE or FORWARD when its gradients arrived without passing its outputs' hooks.
-_ENTERED_FROM: dict[TrainingState, frozenset[TrainingState]] = {
-    TrainingState.IDLE: _ANY,
-    TrainingState.FORWARD: _ANY,
-    TrainingState.PRE_BACKWARD: _ANY - {TrainingState.PRE_BACKWARD},
-    TrainingState.POST_BACKWARD: _ANY,
-}
 
 
 class FSDPState:
@@ -101,7 +82,7 @@ class FSDPState:
         self.modules = modules
         # One group per mesh: usually one; shard_placement_fn may put parameters on others.
         self.groups = groups
-        self.fqn = ""  # set at lazy init, when the root's module tree names it
+        self.label = ""  # set at lazy init, when the root's module tree names it
         # Floating inputs are cast to this dtype, outputs to output_dtype (None: leave alone).
         self.input_dtype = mp_policy.param_dtype if mp_policy.cast_forward_inputs else None
         self.output_dtype = mp_policy.output_dtype
@@ -113,7 +94,7 @@ class FSDPState:
         # set_manual_backward_finalization: read from the root only ([Note: manual backward
         # finalization] in iteration.py).
         self.manual_finalization = False
-        self._training_state = TrainingState.IDLE  # changed only by enter()
+        self.training_state = TrainingState.IDLE
         # Explicit prefetch targets (set_modules_to_*_prefetch); None: use the recorded order.
         self.forward_prefetch: list[FSDPParamGroup] | None = None
         self.backward_prefetch: list[FSDPParamGroup] | None = None
@@ -127,22 +108,6 @@ class FSDPState:
         self._call_inputs: list[torch.Tensor] = []  # that call's inputs that require grad
         for group in groups:
             group.reducer.on_grads_ready = partial(self._post_backward, group)
-
-    @property
-    def training_state(self) -> TrainingState:
-        return self._training_state
-
-    def enter(self, training_state: TrainingState) -> None:
-        """Move to ``training_state``: every transition passes here, checked against
-        ``_ENTERED_FROM`` (an internal invariant: no user action reaches the error)."""
-        allowed = _ENTERED_FROM[training_state]
-        if self._training_state not in allowed:
-            raise AssertionError(
-                f"fsdp2 state {self.fqn!r}: illegal transition {self._training_state.name} -> "
-                f"{training_state.name}; expected it to come from "
-                f"{', '.join(sorted(s.name for s in allowed))}"
-            )
-        self._training_state = training_state
 
     @property
     def group(self) -> FSDPParamGroup | None:
@@ -164,9 +129,9 @@ class FSDPState:
         ctx = IterContext(states)
         names = {id(m): n for top in self.modules for n, m in top.named_modules()}
         for state in states:
-            state.fqn = module_label([names.get(id(m), "") for m in state.modules])
+            state.label = module_label([names.get(id(m), "") for m in state.modules])
             for group in state.groups:
-                group.label = state.fqn
+                group.label = state.label
                 for fsdp_param in group.fsdp_params:
                     # Named under the root from now on: at fully_shard, names were relative to
                     # the block ("fc.weight" of which of 96?), and errors from here on quote them.
@@ -177,7 +142,7 @@ class FSDPState:
             state.is_root = state is self
             requested = state.requested_reshard_after_forward
             state.reshard_after_forward = (not state.is_root) if requested is None else requested
-        trace("lazy_init", self.fqn)
+        trace("lazy_init", self.label)
         try:
             check_materialized(ctx.groups)  # once, only for groups that were on meta somewhere
         except BaseException:
@@ -196,7 +161,7 @@ class FSDPState:
         """The iteration context, which lazy init gives every state before any hook runs."""
         if self.ctx is None:
             raise AssertionError(
-                f"fsdp2 state '{self.fqn}': expected an iteration context (set at lazy init), "
+                f"fsdp2 state '{self.label}': expected an iteration context (set at lazy init), "
                 "found None"
             )
         return self.ctx
@@ -214,7 +179,7 @@ class FSDPState:
         if self.input_dtype is not None:
             args, kwargs = cast_floats((args, kwargs), self.input_dtype)
         recompute = in_backward()  # activation checkpointing recomputing the forward
-        if self._training_state is TrainingState.PRE_BACKWARD and recompute:
+        if self.training_state is TrainingState.PRE_BACKWARD and recompute:
             return args, kwargs
         # PRE_BACKWARD outside backward: left by a backward that raised; the root's
         # start_forward recovers from it.
@@ -223,12 +188,12 @@ class FSDPState:
             ctx.start_forward()
         if not self.groups:
             return args, kwargs
-        trace("pre_forward", self.fqn)
-        self.enter(TrainingState.FORWARD)
+        trace("pre_forward", self.label)
+        self.training_state = TrainingState.FORWARD
         coalesce = not recompute and self._may_coalesce(ctx)
         for group in self.groups:  # issue every gather before waiting for any
             take_up_changes(group)
-            if not (coalesce and gather_with_following(group, ctx, backward=False)):
+            if not (coalesce and gather_coalesced(group, ctx, backward=False)):
                 group.unshard()
         for group in self.groups:
             group.wait_for_unshard()
@@ -253,18 +218,18 @@ class FSDPState:
     def post_forward(self, output: Any, module: object = None) -> Any:
         if self.output_dtype is not None:
             output = cast_floats(output, self.output_dtype)
-        if self._training_state is TrainingState.PRE_BACKWARD:
+        if self.training_state is TrainingState.PRE_BACKWARD:
             return output
         grad_enabled = torch.is_grad_enabled()
         if in_backward():
             # Recomputed by a reentrant checkpoint, whose backward comes right after: keep the
             # parameters gathered for it (the group reshards once its gradients are reduced).
-            self.enter(TrainingState.IDLE)
+            self.training_state = TrainingState.IDLE
             if grad_enabled:
                 output = self._hook_outputs(output)
             return output
         if self.groups:
-            trace("post_forward", self.fqn)
+            trace("post_forward", self.label)
             if self._call_unhooked and self.require_ctx().num_forwards != self._call_start:
                 # Inputs without gradients, but sharded modules ran inside: nodes of this call
                 # (a frozen parameter scaling their outputs) lead to their parameters, not ours,
@@ -281,7 +246,7 @@ class FSDPState:
                     group.reshard()
                 elif self.reshard_after_forward and every_member_ran:
                     group.reshard_to_k()
-            self.enter(TrainingState.IDLE)
+            self.training_state = TrainingState.IDLE
         if self.is_root:
             self.require_ctx().end_forward()
             self._free_unused(everything=not grad_enabled)
@@ -350,16 +315,16 @@ class FSDPState:
     def _pre_backward(self, grad: torch.Tensor) -> None:
         ctx = self.require_ctx()
         ctx.queue_end_of_backward()
-        ctx.reap()
-        if not self.groups or self._training_state is TrainingState.PRE_BACKWARD:
+        ctx.reductions.reap()
+        if not self.groups or self.training_state is TrainingState.PRE_BACKWARD:
             return
-        trace("pre_backward", self.fqn)
-        self.enter(TrainingState.PRE_BACKWARD)
+        trace("pre_backward", self.label)
+        self.training_state = TrainingState.PRE_BACKWARD
         coalesce = self._may_coalesce(ctx)
         for group in self.groups:
             group.reducer.begin_backward()
             if group.settings.unshard_in_backward:
-                if not (coalesce and gather_with_following(group, ctx, backward=True)):
+                if not (coalesce and gather_coalesced(group, ctx, backward=True)):
                     group.unshard()
         for group in self.groups:
             if group.settings.unshard_in_backward:
@@ -388,43 +353,35 @@ class FSDPState:
         if not group.reducer.grads_ready or not self.inputs.done():
             return
         group.reducer.grads_ready = False
-        ctx = self.require_ctx()
-        trace("post_backward", self.fqn)
-        if group.settings.reshard_after_backward and not torch.is_grad_enabled():
-            group.reshard()  # first: the reduction needs only the gradients, not the parameters
-        if group.settings.requires_gradient_sync:
-            ctx.reduce(group.reducer, group.settings.max_in_flight)
-        else:
-            group.reducer.stash_grads()
-        self.enter(TrainingState.POST_BACKWARD)
+        trace("post_backward", self.label)
+        self.require_ctx().finish_group(
+            group, group.settings.max_in_flight, keep_gathered=torch.is_grad_enabled(), always=True
+        )
+        self.training_state = TrainingState.POST_BACKWARD
 
     # -- end of the iteration (called by IterContext) ---------------------------------------------
 
     def end_backward(self, keep_gathered: bool) -> None:
         """At the end of backward (``IterContext.end_of_backward``), after the last reductions."""
         for group in self.groups:
-            group.reducer.reduced_in_backward = False
-            group.reducer.grads_ready = False
-            group.reducer.backward_task = -1
+            group.reducer.end_backward()
             if group.settings.reshard_after_backward and not keep_gathered:
                 group.reshard()
-        self.enter(TrainingState.IDLE)
+        self.training_state = TrainingState.IDLE
 
     def forget_iteration(self) -> None:
         """At a reset (``IterContext.reset``): drop what the failed iteration left."""
         for group in self.groups:
             group.reducer.drop_unreduced_grads()
-            group.reducer.reduced_in_backward = False
-            group.reducer.grads_ready = False
-            group.reducer.backward_task = -1
+            group.reducer.end_backward()
             group.reshard()
-        self.enter(TrainingState.IDLE)
+        self.training_state = TrainingState.IDLE
         self._call_inputs = []
 
     def __repr__(self) -> str:
         sharded = ",".join(g.state.name for g in self.groups) or "no params"
         role = "root" if self.is_root else "child"
-        return f"FSDPState({self.fqn or '<root>'}, {role}, {self.training_state.name}, {sharded})"
+        return f"FSDPState({self.label or '<root>'}, {role}, {self.training_state.name}, {sharded})"
 
 
 # The registry of "the fsdp2 states of a module tree" (registry.py), bound to FSDPState.

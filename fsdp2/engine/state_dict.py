@@ -86,7 +86,7 @@ def _adopt_assigned(group: FSDPParamGroup) -> None:
     """``load_state_dict(assign=True)`` (as ``set_model_state_dict`` does for a model still on
     the meta device) registers new parameter objects: make them the group's sharded parameters,
     tie every slot of a shared parameter to one object again, and pack them into the group's
-    buffers. ``rebuild`` is a no-op when nothing was replaced."""
+    buffers. ``repack`` is a no-op when nothing was replaced."""
     for fsdp_param in group.fsdp_params:
         # Any slot may hold the new object: a tied alias can be loaded after the first name.
         current = next(
@@ -121,7 +121,7 @@ def _adopt_assigned(group: FSDPParamGroup) -> None:
             continue
         fsdp_param.sharded_param = current
         fsdp_param.register(current)
-    group.rebuild()
+    group.repack()
 
 
 def _dtensor(param: nn.Parameter) -> DTensor:

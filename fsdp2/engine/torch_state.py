@@ -105,7 +105,7 @@ class _GroupView(_Unsupported):
         a backward does for a group (``IterContext.end_of_backward``). Without gradient sync,
         fold this backward's gradients into the unreduced sum instead. A second call finds
         nothing left to reduce (``IterContext.finish_group``)."""
-        _context(self._fsdp_state).finish_group(self._group)
+        _context(self._fsdp_state).finish_group(self._group, self._group.settings.max_in_flight)
 
 
 def _context(state: FSDPState) -> IterContext[FSDPState]:
