@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["group_name", "is_timed", "timed_wait", "timeout_s", "wait"]
+__all__ = ["group_name", "is_gloo", "is_timed", "timed_wait", "timeout_s", "wait"]
 
 logger = logging.getLogger("fsdp2")
 
@@ -67,7 +67,7 @@ def _first_wait(work: dist.Work, group: dist.ProcessGroup) -> bool:
     returns, the backend rejects timeouts and the group's waits go untimed from now on (no
     deadline: the hang report degrades, see docs/debugging.md); a collective that really failed
     raises again."""
-    if _is_gloo(group):
+    if is_gloo(group):
         _timed[group] = True
         return timed_wait(work)
     try:
@@ -92,13 +92,28 @@ def _first_wait(work: dist.Work, group: dist.ProcessGroup) -> bool:
     return finished
 
 
-def _is_gloo(group: dist.ProcessGroup) -> bool:
-    try:
-        backend = group._get_backend(torch.device("cpu"))
-    except Exception:  # no CPU backend (a fake or custom group)
-        return False
-    gloo = getattr(dist, "ProcessGroupGloo", None)  # absent from builds without gloo
-    return gloo is not None and isinstance(backend, gloo)
+_GLOO = getattr(dist, "ProcessGroupGloo", None)  # absent from builds without gloo
+# Per process group (weakly: a destroyed group goes), per device type: whether gloo runs it.
+_gloo_groups: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[str, bool]] = (
+    weakref.WeakKeyDictionary()
+)
+_CPU = torch.device("cpu")
+
+
+def is_gloo(group: dist.ProcessGroup, device: torch.device = _CPU) -> bool:
+    """Whether ``group`` runs collectives on ``device`` with gloo (cached: asked per collective
+    by the seam, whose reduce-scatter runs differently there)."""
+    known = _gloo_groups.get(group)
+    if known is None:
+        known = _gloo_groups[group] = {}
+    answer = known.get(device.type)
+    if answer is None:
+        try:
+            backend = group._get_backend(device)
+        except Exception:  # no backend for that device (a fake or custom group)
+            backend = None
+        answer = known[device.type] = _GLOO is not None and isinstance(backend, _GLOO)
+    return answer
 
 
 def group_name(group: dist.ProcessGroup) -> str:

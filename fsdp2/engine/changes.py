@@ -69,8 +69,7 @@ def _follow_requires_grad(group: FSDPParamGroup) -> None:
         )
     for fsdp_param in changed:
         if not fsdp_param.requires_grad:  # frozen: never hand it a gradient summed before
-            fsdp_param.unsharded_param.grad = None
-            fsdp_param.unreduced = None
+            group.reducer.drop_grad(fsdp_param)
     group.layout.follow_requires_grad()
 
 
@@ -103,7 +102,7 @@ def _adopt_replaced(group: FSDPParamGroup) -> None:
                 "before fully_shard, and shard the modules sharing one in one call, e.g. "
                 "fully_shard([embedding, lm_head])"
             )
-        if fsdp_param.unreduced is not None:
+        if fsdp_param in group.reducer.unreduced:
             raise RuntimeError(
                 f"{fsdp_param.fqn} was replaced while gradients of backwards without gradient "
                 "sync (set_requires_gradient_sync(False)) were pending for it; replace it "

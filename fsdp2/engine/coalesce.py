@@ -75,6 +75,7 @@ __all__ = [
     "ALIGN",
     "DEFAULT_COALESCE_BYTES",
     "Context",
+    "ag_joinable",
     "bucket_label",
     "check_on_host",
     "coalesce_bytes",
@@ -144,20 +145,28 @@ class Context(Protocol):
     iteration: int
 
 
-def _joinable(group: FSDPParamGroup) -> bool:
-    """Whether ``group`` may be gathered in a coalesced collective now."""
+def ag_joinable(group: FSDPParamGroup) -> bool:
+    """Whether ``group``'s all-gather may ever be coalesced: facts of its settings and layout,
+    the same on every rank and fixed between forwards (the planner asks this too)."""
     layout = group.layout
     return (
-        group.state is ShardedState.SHARDED
-        and not group.unshard_pending
-        and group.shard_size > 1
+        group.shard_size > 1
         and not layout.alias
-        and not layout.stale
         and not layout.ext_params
         and layout.offload is None
         and group.settings.custom_all_gather is None
         and group.settings.k_group is None
-        and layout.sharded_flat.device.type != "meta"
+    )
+
+
+def _joinable(group: FSDPParamGroup) -> bool:
+    """Whether ``group`` may be gathered in a coalesced collective now."""
+    return (
+        group.state is ShardedState.SHARDED
+        and not group.unshard_pending
+        and not group.layout.stale
+        and ag_joinable(group)
+        and group.layout.sharded_flat.device.type != "meta"
     )
 
 

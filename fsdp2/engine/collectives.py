@@ -10,7 +10,6 @@ default) issue ``torch.distributed`` collectives.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp2.debug import checks, hang, switches
+from fsdp2.debug.waiting import is_gloo
 from fsdp2.engine.releases import RULES
 
 __all__ = [
@@ -223,7 +223,7 @@ def reduce_scatter(
     event = _note("reduce_scatter", label, inp, out, group)
     if comm is not None:
         return Pending(comm(out, inp, group, op, async_op=True), event, inp.device)
-    if _is_gloo(group, inp.device):
+    if is_gloo(group, inp.device):
         # gloo's reduce-scatter is an all-reduce of a clone of ``inp`` and a copy of this rank's
         # chunk when waited on; its work ignores wait()'s timeout and never reports is_completed().
         # ``inp`` is our own scratch buffer: all-reduce it in place (the same algorithm on the
@@ -235,28 +235,6 @@ def reduce_scatter(
         return Pending(work, event, inp.device, then=(out, chunk))
     work = _reduce_scatter_single(out, inp, op=op, group=group, async_op=True)
     return Pending(work, event, inp.device)
-
-
-_GLOO = getattr(dist, "ProcessGroupGloo", None)  # absent from builds without gloo
-# Per process group (weakly: a destroyed group goes), per device type: whether gloo runs it.
-_gloo_groups: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[str, bool]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _is_gloo(group: dist.ProcessGroup, device: torch.device) -> bool:
-    """Whether ``group`` runs collectives on ``device`` with gloo (cached: asked per collective)."""
-    known = _gloo_groups.get(group)
-    if known is None:
-        known = _gloo_groups[group] = {}
-    answer = known.get(device.type)
-    if answer is None:
-        try:
-            backend = group._get_backend(device)
-        except Exception:  # no backend for that device (a fake or custom group)
-            backend = None
-        answer = known[device.type] = _GLOO is not None and isinstance(backend, _GLOO)
-    return answer
 
 
 def all_reduce(

@@ -106,7 +106,6 @@ class FSDPParam:
         self.unsharded_param: nn.Parameter  # plain tensor viewing the unsharded buffer
         self.grad_node: torch.autograd.graph.Node | None = None  # AccumulateGrad, kept alive
         self._hooked: nn.Parameter | None = None  # the unsharded parameter given on_grad_ready
-        self.unreduced: torch.Tensor | None = None  # no-sync gradient sum, in reduce_dtype
 
     def set_chunk(self, info: MeshInfo) -> None:
         """Fix this rank's chunk: ``chunk_numel`` (padded, equal on all ranks) and the real part,

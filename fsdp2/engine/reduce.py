@@ -155,6 +155,9 @@ class GradientReducer:
         # HSDP with set_requires_all_reduce(False): reduced over the shard ranks, summed over
         # micro-steps, not yet all-reduced over the replicas.
         self.deferred_replica_sum: torch.Tensor | None = None
+        # Without gradient sync: each trainable parameter's running gradient sum, in
+        # reduce_dtype, until a backward with sync reduces it (stash_grads).
+        self.unreduced: dict[FSDPParam, torch.Tensor] = {}
 
     def on_grad_ready(self, param: torch.Tensor) -> None:
         grad = param.grad
@@ -177,6 +180,10 @@ class GradientReducer:
         self._task, self._ready, self._expected = task, 0, self._count_expected()
         self.backward_task = task if self._expected else -1
         self.grads_ready = not self._expected  # none to wait for: only the module's backward
+
+    def mark_taken(self) -> None:
+        """The ready gradients are going to a reduction: not ready again until counted in."""
+        self.grads_ready = False
 
     def end_backward(self) -> None:
         """The end of a backward (or a reset): nothing counted, claimed or reduced in it."""
@@ -216,8 +223,10 @@ class GradientReducer:
         )
 
     def has_unreduced_grads(self) -> bool:
-        for fsdp_param in self.layout.trainable:  # _has_grad, inlined: per group and step
-            if fsdp_param.unsharded_param.grad is not None or fsdp_param.unreduced is not None:
+        if self.unreduced:
+            return True
+        for fsdp_param in self.layout.trainable:  # a loop, not any(): per group and step
+            if fsdp_param.unsharded_param.grad is not None:
                 return True
         return False
 
@@ -233,9 +242,15 @@ class GradientReducer:
 
     def drop_unreduced_grads(self) -> None:
         self.deferred_replica_sum = None
+        self.unreduced.clear()
         for fsdp_param in self.layout.trainable:
             fsdp_param.unsharded_param.grad = None
-            fsdp_param.unreduced = None
+
+    def drop_grad(self, fsdp_param: FSDPParam) -> None:
+        """Forget ``fsdp_param``'s gradient, and its sum over micro-steps without sync (it was
+        frozen: it must never get a gradient summed before)."""
+        fsdp_param.unsharded_param.grad = None
+        self.unreduced.pop(fsdp_param, None)
 
     def reduce_grads(self) -> PendingReduce | None:
         """Take the unsharded gradients and start their reduce-scatter; ``None`` if there are none."""
@@ -320,9 +335,8 @@ class GradientReducer:
         pending = self.reduce_scatter(out, inp.view(-1), group, self.label, op, comm)
         return PendingReduce(self, pending, out, params, inp, use_sum, comm is None, used)
 
-    @staticmethod
-    def _has_grad(fsdp_param: FSDPParam) -> bool:
-        return fsdp_param.unsharded_param.grad is not None or fsdp_param.unreduced is not None
+    def _has_grad(self, fsdp_param: FSDPParam) -> bool:
+        return fsdp_param.unsharded_param.grad is not None or fsdp_param in self.unreduced
 
     def stash_grads(self) -> None:
         """Without gradient sync: move this backward's gradients onto the running unreduced sum,
@@ -336,10 +350,11 @@ class GradientReducer:
             grad = unsharded.grad
             unsharded.grad = None
             grad = local_grad(fsdp_param, grad).to(self.layout.reduce_dtype)
-            if fsdp_param.unreduced is None:
-                fsdp_param.unreduced = grad
+            summed = self.unreduced.get(fsdp_param)
+            if summed is None:
+                self.unreduced[fsdp_param] = grad
             else:
-                fsdp_param.unreduced += grad
+                summed += grad
 
     def _take_grad(self, fsdp_param: FSDPParam) -> torch.Tensor:
         unsharded = fsdp_param.unsharded_param
@@ -347,9 +362,9 @@ class GradientReducer:
         unsharded.grad = None
         if grad is not None:
             grad = local_grad(fsdp_param, grad)
-        if fsdp_param.unreduced is not None:  # the sum of earlier micro-steps without sync
-            grad = fsdp_param.unreduced if grad is None else fsdp_param.unreduced.add_(grad)
-            fsdp_param.unreduced = None
+        summed = self.unreduced.pop(fsdp_param, None)
+        if summed is not None:  # the sum of earlier micro-steps without sync
+            grad = summed if grad is None else summed.add_(grad)
         if grad is None:  # unused here, but other ranks may have used it
             grad = torch.zeros(
                 fsdp_param.shape, dtype=self.layout.param_dtype, device=self.layout.device

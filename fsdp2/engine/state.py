@@ -352,7 +352,7 @@ class FSDPState:
         are in and its modules' backward is done (see [Note: when a module's backward is done])."""
         if not group.reducer.grads_ready or not self.inputs.done():
             return
-        group.reducer.grads_ready = False
+        group.reducer.mark_taken()
         trace("post_backward", self.label)
         self.require_ctx().finish_group(
             group, group.settings.max_in_flight, keep_gathered=torch.is_grad_enabled(), always=True

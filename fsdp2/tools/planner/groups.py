@@ -9,6 +9,8 @@ from typing import Any
 
 import torch.nn as nn
 
+from fsdp2.engine.coalesce import ag_joinable
+from fsdp2.engine.coalesce_reduce import rs_joinable
 from fsdp2.engine.param import FSDPParam
 from fsdp2.engine.param_group import FSDPParamGroup
 from fsdp2.engine.state import STATES, FSDPState, module_label
@@ -89,29 +91,18 @@ def collect_groups(model: nn.Module) -> list[GroupFacts]:
 
 
 def _coalescing(group: FSDPParamGroup, keys: dict[int, int]) -> dict[str, Any]:
-    """The static half of the engine's joinability (coalesce.py ``_joinable``; the rest, a
-    group's state in the step, the planner's schedule follows): the same conditions, read off
-    the settings, since a group planned on meta is never joinable as it stands."""
-    settings, layout = group.settings, group.layout
+    """The static half of the engine's joinability, asked of the engine itself
+    (``coalesce.ag_joinable``, ``coalesce_reduce.rs_joinable``); the rest, a group's state in
+    the step, the planner's schedule follows."""
+    settings = group.settings
     shard_group = group.info.shard_group
     reduce_group = settings.reduce_scatter_group or shard_group
-    use_sum = settings.divide_factor is not None or settings.force_sum_reduction
     return {
-        "gather_joinable": group.shard_size > 1
-        and not layout.alias
-        and not layout.ext_params
-        and layout.offload is None
-        and settings.custom_all_gather is None
-        and settings.k_group is None,
-        "reduce_joinable": group.shard_size > 1
-        and group.info.replicate_group is None
-        and settings.custom_reduce_scatter is None
-        and settings.all_reduce_hook is None
-        and settings.requires_gradient_sync
-        and settings.offload is None,
+        "gather_joinable": ag_joinable(group),
+        "reduce_joinable": rs_joinable(group.reducer),
         "gather_key": keys.setdefault(id(shard_group), len(keys)),
         "reduce_key": keys.setdefault(id(reduce_group), len(keys)),
-        "reduce_op": "sum" if use_sum else "avg",
+        "reduce_op": "sum" if group.reducer.sums() else "avg",
         "unshard_in_backward": settings.unshard_in_backward,
     }
 
