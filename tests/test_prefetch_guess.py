@@ -1,4 +1,4 @@
-"""The guessed prefetch that accelerators use ([Note: prefetch order] in fsdp2/engine/state.py), forced
+"""The guessed prefetch that accelerators use ([Note: prefetch order] in fsdp2/engine/iteration.py), forced
 on over gloo: each group, once gathered for forward, starts the gather of the group that came
 next in the last forward (and backward gathers the group before). Timing changes; numbers, and
 the number of collectives, must not. Trained in lockstep with an unsharded reference."""

@@ -7,13 +7,13 @@ Read the files in the order data flows through them:
   pre-forward ``changes.py`` takes up what the user changed on the module, and
   ``backward_done.py`` says when a module's backward is done (its inputs' gradients are in).
   ``registry.py`` finds the states of a module tree.
-- ``iteration.py``: one root's pass (``IterContext``): the recorded order, and
+- ``iteration.py``: one root's pass (``IterContext``), where every collective of an iteration
+  is decided: which groups to gather now and which to prefetch (coalesced or alone), and
   ``finish_group``, the one place a group is finished with a backward (reshard, then reduce or
   stash), and the end of backward.
-- the gather side: ``prefetch.py`` picks what to gather next, ``coalesce.py`` gathers a run of
-  small groups in one collective, ``param_group.py`` is one call's parameters and their
-  unshard/reshard state machine, ``layout.py`` and ``param.py`` place each parameter in the
-  group's flat buffers.
+- the gather side: ``coalesce.py`` (``Gathers``: a run of small groups in one collective),
+  ``param_group.py`` (one call's parameters and their unshard/reshard state machine),
+  ``layout.py`` and ``param.py`` (each parameter's place in the group's flat buffers).
 - the gradient side: ``reduce.py`` (a group's reduce-scatter), ``coalesce_reduce.py``
   (``Reductions``: the backward's reduce-scatters, held for coalescing, in flight, reduced),
   ``grads.py`` (a gradient on its way in, and handed to the sharded parameter).

@@ -53,10 +53,8 @@ reduce-scatters] in coalesce_reduce.py.
 from __future__ import annotations
 
 import os
-import weakref
 from collections.abc import Callable
 from functools import partial
-from typing import Protocol
 
 import torch
 
@@ -74,25 +72,18 @@ from fsdp2.engine.param_group import (
 __all__ = [
     "ALIGN",
     "DEFAULT_COALESCE_BYTES",
-    "Context",
+    "Gathers",
     "ag_joinable",
     "bucket_label",
     "check_on_host",
     "coalesce_bytes",
     "fixed_send_bytes",
-    "gather_coalesced",
     "header_bytes",
     "set_coalesce_bytes",
 ]
 
 ALIGN = 16  # each part of a send buffer starts here-aligned: a view of any dtype
 _LABEL_GROUPS = 6  # a coalesced gather's label names this many groups, then elides
-# Per root (keyed by its first group): the fixed send size, and what it was computed for.
-_fixed_size: weakref.WeakKeyDictionary[FSDPParamGroup, tuple[tuple[int, int, int], int]] = (
-    weakref.WeakKeyDictionary()
-)
-# Per root: each group's position among the root's groups, its bit in the header.
-_positions: weakref.WeakKeyDictionary[FSDPParamGroup, dict[int, int]] = weakref.WeakKeyDictionary()
 _BITS = 32  # header bits per int64 word
 
 
@@ -135,14 +126,6 @@ def set_coalesce_bytes(budget: int) -> None:
 def coalesce_bytes() -> int:
     """The current budget in bytes (0: coalescing is off)."""
     return _budget
-
-
-class Context(Protocol):
-    """What a bucket is formed from (an ``IterContext``): the order and the iteration."""
-
-    forward_order: list[FSDPParamGroup]
-    groups: list[FSDPParamGroup]  # every group under the root: the same list on every rank
-    iteration: int
 
 
 def ag_joinable(group: FSDPParamGroup) -> bool:
@@ -188,21 +171,8 @@ def header_bytes(num_groups: int) -> int:
     return _aligned(8 * (1 + -(-num_groups // _BITS)))
 
 
-def _per_rank_bytes(groups: list[FSDPParamGroup], budget: int, world: int) -> int:
-    """The one size of every rank's send buffer in a coalesced gather over ``world`` ranks: the
-    budget's share, or less where every group of the root that could join fits in less (a small
-    model's gathers carry no padding it cannot use). Made only of facts every rank shares."""
-    key = (len(groups), budget, world)
-    cached = _fixed_size.get(groups[0])
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    size = fixed_send_bytes([_send_bytes(g) for g in groups], budget, world)
-    _fixed_size[groups[0]] = (key, size)
-    return size
-
-
 def fixed_send_bytes(sends: list[int], budget: int, world: int) -> int:
-    """The rule of ``_per_rank_bytes``, on sizes alone (the planner replays it): each of the
+    """The rule of ``Gathers.per_rank_bytes``, on sizes alone (the planner replays it): each of the
     root's groups sends ``sends[i]`` aligned bytes; the budget's share per rank, or the header and
     every send that fits the share, if less."""
     share = (budget // world) // ALIGN * ALIGN
@@ -215,40 +185,63 @@ def _send_bytes(group: FSDPParamGroup) -> int:
     return _aligned(group.layout.plain_numel * group.layout.param_dtype.itemsize)
 
 
-def gather_coalesced(group: FSDPParamGroup, ctx: Context, backward: bool) -> bool:
-    """Start ``group``'s gather together with the small groups that come after it in ``order``
-    (``backward``: those before it, in reverse). Returns False, gathering nothing, when ``group``
-    cannot be coalesced: the caller then gathers it alone. A bucket of one is still a coalesced
-    gather: its fixed size is what lets a mismatch be named ([Note: coalesced gathers])."""
-    budget, order, iteration = _budget, ctx.forward_order, ctx.iteration
-    if not budget or not _joinable(group):
-        return False
-    per_rank = _per_rank_bytes(ctx.groups, budget, group.shard_size)
-    capacity = per_rank - header_bytes(len(ctx.groups))
-    if _send_bytes(group) > capacity:
-        return False
-    bucket, total = [group], _send_bytes(group)
-    index, step = group.order_index, -1 if backward else 1
-    # Not in the last forward's order (the first iteration, or it did not run): alone.
-    i = index + step if index < len(order) and order[index] is group else -1
-    while 0 <= i < len(order):
-        other = order[i]
-        if not backward and other.seen_in != iteration:
-            take_up_changes(other)  # what its own pre-forward would do first
-        # Forward: only groups still to run in this forward; backward: those that ran in it.
-        ran = other.seen_in == iteration
-        if ran != backward or not _joinable(other) or not _compatible(group, other):
-            break
-        if backward and not other.settings.unshard_in_backward:
-            break
-        size = _send_bytes(other)
-        if total + size > capacity:
-            break
-        bucket.append(other)
-        total += size
-        i += step
-    _issue(bucket, ctx.groups, per_rank)
-    return True
+class Gathers:
+    """One root's coalesced gathers: its groups (every rank's same list, whose positions are
+    the header's bits) and the fixed send size worked out from them."""
+
+    def __init__(self, groups: list[FSDPParamGroup]) -> None:
+        self.groups = groups
+        self.positions = {id(g): i for i, g in enumerate(groups)}
+        self._per_rank: tuple[tuple[int, int], int] | None = None  # ((budget, world), bytes)
+
+    def per_rank_bytes(self, budget: int, world: int) -> int:
+        """The one size of every rank's send buffer in a coalesced gather over ``world``
+        ranks: the budget's share, or less where every group of the root that could join fits
+        in less (a small model's gathers carry no padding it cannot use). Made only of facts
+        every rank shares."""
+        key = (budget, world)
+        if self._per_rank is None or self._per_rank[0] != key:
+            sends = [_send_bytes(g) for g in self.groups]
+            self._per_rank = (key, fixed_send_bytes(sends, budget, world))
+        return self._per_rank[1]
+
+    def gather(
+        self, group: FSDPParamGroup, order: list[FSDPParamGroup], iteration: int, backward: bool
+    ) -> bool:
+        """Start ``group``'s gather together with the small groups that come after it in
+        ``order``, the last forward's (``backward``: those before it, in reverse). Returns
+        False, gathering nothing, when ``group`` cannot be coalesced: the caller then gathers it
+        alone. A bucket of one is still a coalesced gather: its fixed size is what lets a
+        mismatch be named ([Note: coalesced gathers])."""
+        budget = _budget
+        if not budget or not _joinable(group):
+            return False
+        per_rank = self.per_rank_bytes(budget, group.shard_size)
+        capacity = per_rank - header_bytes(len(self.groups))
+        if _send_bytes(group) > capacity:
+            return False
+        bucket, total = [group], _send_bytes(group)
+        index, step = group.order_index, -1 if backward else 1
+        # Not in the last forward's order (the first iteration, or it did not run): alone.
+        i = index + step if index < len(order) and order[index] is group else -1
+        while 0 <= i < len(order):
+            other = order[i]
+            if not backward and other.seen_in != iteration:
+                take_up_changes(other)  # what its own pre-forward would do first
+            # Forward: only groups still to run in this forward; backward: those that ran in it.
+            ran = other.seen_in == iteration
+            if ran != backward or not _joinable(other) or not _compatible(group, other):
+                break
+            if backward and not other.settings.unshard_in_backward:
+                break
+            size = _send_bytes(other)
+            if total + size > capacity:
+                break
+            bucket.append(other)
+            total += size
+            i += step
+        _issue(bucket, self.groups, self.positions, per_rank)
+        return True
 
 
 def bucket_label(labels: list[str]) -> str:
@@ -261,7 +254,12 @@ def bucket_label(labels: list[str]) -> str:
 
 
 @_plain_tensors
-def _issue(bucket: list[FSDPParamGroup], groups: list[FSDPParamGroup], per_rank: int) -> None:
+def _issue(
+    bucket: list[FSDPParamGroup],
+    groups: list[FSDPParamGroup],
+    positions: dict[int, int],
+    per_rank: int,
+) -> None:
     """One all-gather of a fixed-size send buffer per rank: a header naming the bucket's groups,
     then their shards; each group gets its column slice, checked against every rank's header."""
     first = bucket[0]
@@ -273,10 +271,6 @@ def _issue(bucket: list[FSDPParamGroup], groups: list[FSDPParamGroup], per_rank:
     typed = torch.zeros(per_rank // dtype.itemsize, dtype=dtype, device=device)
     send = typed.view(torch.uint8)
     values = [len(groups)] + [0] * (header // 8 - 1)
-    positions = _positions.get(groups[0], {})
-    if not all(id(m) in positions and groups[positions[id(m)]] is m for m in bucket):
-        # None yet, or stale (a new root over the same first group)
-        positions = _positions[groups[0]] = {id(g): i for i, g in enumerate(groups)}
     for member in bucket:
         i = positions[id(member)]
         values[1 + i // _BITS] |= 1 << (i % _BITS)

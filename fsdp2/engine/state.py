@@ -6,7 +6,7 @@ a training iteration shares (the order groups ran in, the reduce-scatter in flig
 end-of-backward callback).
 
 Groups are gathered ahead of their own hooks in the order the last forward ran them (see
-[Note: prefetch order] in prefetch.py).
+[Note: prefetch order] in iteration.py).
 """
 
 from __future__ import annotations
@@ -22,11 +22,9 @@ from torch._compile import _disable_dynamo
 from fsdp2.engine.agreement import check_materialized
 from fsdp2.engine.backward_done import InputHooks, hook_output
 from fsdp2.engine.changes import take_up_changes
-from fsdp2.engine.coalesce import coalesce_bytes, gather_coalesced
 from fsdp2.engine.iteration import IterContext, trace
 from fsdp2.engine.param_group import FSDPParamGroup
 from fsdp2.engine.policies import MixedPrecisionPolicy, cast_floats
-from fsdp2.engine.prefetch import prefetch_after, prefetch_before
 from fsdp2.engine.registry import StateRegistry
 from fsdp2.engine.tree import map_tensors, tensors_in
 
@@ -190,11 +188,10 @@ class FSDPState:
             return args, kwargs
         trace("pre_forward", self.label)
         self.training_state = TrainingState.FORWARD
-        coalesce = not recompute and self._may_coalesce(ctx)
+        coalesce = not recompute and ctx.may_coalesce()
         for group in self.groups:  # issue every gather before waiting for any
             take_up_changes(group)
-            if not (coalesce and gather_coalesced(group, ctx, backward=False)):
-                group.unshard()
+            ctx.gather(group, coalesce, backward=False)
         for group in self.groups:
             group.wait_for_unshard()
             ctx.record(group)
@@ -211,7 +208,7 @@ class FSDPState:
                 target.unshard()
         elif not recompute:  # a checkpoint's recompute runs in backward's order, not forward's
             for group in self.groups:
-                prefetch_after(group, ctx, coalesce)
+                ctx.prefetch_after(group, coalesce)
         return args, kwargs
 
     @_disable_dynamo
@@ -253,19 +250,6 @@ class FSDPState:
         if grad_enabled:
             output = self._hook_outputs(output)
         return output
-
-    @staticmethod
-    def _may_coalesce(ctx: IterContext[FSDPState]) -> bool:
-        """Whether coalescing is on and no state has explicit prefetch targets: the user's
-        order then rules ([Note: coalesced gathers]). Asked once per iteration."""
-        if not coalesce_bytes():
-            return False
-        if ctx.coalesce_in != ctx.iteration:
-            ctx.coalesce_in = ctx.iteration
-            ctx.coalesce_ok = all(
-                s.forward_prefetch is None and s.backward_prefetch is None for s in ctx.states
-            )
-        return ctx.coalesce_ok
 
     def _member_ran(self, module: object) -> bool:
         """Note that ``module`` finished a forward; whether every module of this call has run
@@ -320,12 +304,11 @@ class FSDPState:
             return
         trace("pre_backward", self.label)
         self.training_state = TrainingState.PRE_BACKWARD
-        coalesce = self._may_coalesce(ctx)
+        coalesce = ctx.may_coalesce()
         for group in self.groups:
             group.reducer.begin_backward()
             if group.settings.unshard_in_backward:
-                if not (coalesce and gather_coalesced(group, ctx, backward=True)):
-                    group.unshard()
+                ctx.gather(group, coalesce, backward=True)
         for group in self.groups:
             if group.settings.unshard_in_backward:
                 group.wait_for_unshard()
@@ -333,9 +316,8 @@ class FSDPState:
             for target in self.backward_prefetch:
                 target.unshard()
             return
-        root_groups = ctx.states[0].groups
         for group in self.groups:
-            prefetch_before(group, ctx, coalesce, self.is_root, root_groups)
+            ctx.prefetch_before(group, coalesce, self.is_root)
 
     def _post_backward(self, group: FSDPParamGroup) -> None:
         """Every gradient of ``group`` is in; finish it if its modules' backward is done too."""

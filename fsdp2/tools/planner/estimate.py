@@ -281,7 +281,7 @@ class Schedule:
 def gathered_in_backward(groups: list[GroupFacts], prefetch: bool) -> list[bool]:
     """Per group (pre-order): whether backward gathers it (if it resharded after forward):
     reached by backward, or prefetched by the next group in forward order, which (as in
-    ``FSDPState._prefetch_before``) the root's own groups never do; the root prefetches the
+    ``IterContext.prefetch_before``) the root's own groups never do; the root prefetches the
     last group. (Coalescing may gather a group backward never reaches as well: ``Schedule``.)"""
     out = []
     for i, g in enumerate(groups):
