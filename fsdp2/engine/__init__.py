@@ -2,7 +2,8 @@
 
 Read the files in the order data flows through them:
 
-- ``module.py``: the methods a sharded module gains (``FSDPModule``).
+- ``module.py``: the methods a sharded module gains (``FSDPModule``; its setters in
+  ``module_settings.py``).
 - ``state.py``: the hooks around one ``fully_shard`` call's forward and backward; at each
   pre-forward ``changes.py`` takes up what the user changed on the module, and
   ``backward_done.py`` says when a module's backward is done (its inputs' gradients are in).
