@@ -66,7 +66,7 @@ from fsdp2.engine.param_group import (
     InFlightGather,
     ShardedState,
     SharedOutput,
-    _plain_tensors,
+    outside_transforms,
 )
 
 __all__ = [
@@ -253,7 +253,7 @@ def bucket_label(labels: list[str]) -> str:
     return f"{names[0]}+{names[1]}+...+{names[-1]} ({len(names)} groups)"
 
 
-@_plain_tensors
+@outside_transforms
 def _issue(
     bucket: list[FSDPParamGroup],
     groups: list[FSDPParamGroup],

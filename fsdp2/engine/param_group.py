@@ -25,7 +25,7 @@ from fsdp2.engine.policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from fsdp2.engine.reduce import GradientReducer
 from fsdp2.engine.settings import GroupSettings
 
-__all__ = ["FSDPParamGroup", "InFlightGather", "ShardedState", "SharedOutput"]
+__all__ = ["FSDPParamGroup", "InFlightGather", "ShardedState", "SharedOutput", "outside_transforms"]
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -37,7 +37,7 @@ _inference_mode = torch.is_inference_mode_enabled
 _functorch_active = torch._C._are_functorch_transforms_active
 
 
-def _plain_mode(inference: bool, functorch: bool) -> contextlib.ExitStack:
+def _outside_mode(inference: bool, functorch: bool) -> contextlib.ExitStack:
     """Leave inference mode and functorch transforms, as far as they are on."""
     stack = contextlib.ExitStack()
     if inference:
@@ -47,7 +47,7 @@ def _plain_mode(inference: bool, functorch: bool) -> contextlib.ExitStack:
     return stack
 
 
-def _plain_tensors(method: Callable[_P, _R]) -> Callable[_P, _R]:
+def outside_transforms(method: Callable[_P, _R]) -> Callable[_P, _R]:
     """Run ``method`` outside inference mode and functorch transforms, whatever the caller's
     mode: the buffers it allocates outlive the call. An inference tensor could never be saved
     for backward (a job that evaluates before it trains), and a functorch wrapper has no
@@ -58,14 +58,14 @@ def _plain_tensors(method: Callable[_P, _R]) -> Callable[_P, _R]:
         inference, functorch = _inference_mode(), _functorch_active()
         if not inference and not functorch:  # the common case: no context to enter
             return method(*args, **kwargs)
-        with _plain_mode(inference, functorch):
+        with _outside_mode(inference, functorch):
             return method(*args, **kwargs)
 
     return wrapper
 
 
-def _plain_method(method: Callable[[_G], None]) -> Callable[[_G], None]:
-    """``_plain_tensors`` for a method of no arguments: a plain call, not ``*args, **kwargs``
+def _outside_transforms_method(method: Callable[[_G], None]) -> Callable[[_G], None]:
+    """``outside_transforms`` for a method of no arguments: a plain call, not ``*args, **kwargs``
     (a third of the cost, for methods called several times per group and step)."""
 
     @functools.wraps(method)
@@ -73,7 +73,7 @@ def _plain_method(method: Callable[[_G], None]) -> Callable[[_G], None]:
         inference, functorch = _inference_mode(), _functorch_active()
         if not inference and not functorch:
             return method(self)
-        with _plain_mode(inference, functorch):
+        with _outside_mode(inference, functorch):
             return method(self)
 
     return wrapper
@@ -228,7 +228,7 @@ class FSDPParamGroup:
 
     # -- unshard / reshard -----------------------------------------------------------------------
 
-    @_plain_method
+    @_outside_transforms_method
     def unshard(self) -> None:
         """Start gathering the full parameters (no-op if unsharded or already under way)."""
         if self.state is ShardedState.UNSHARDED or self._gather is not None:
@@ -280,7 +280,7 @@ class FSDPParamGroup:
             )
         self._gather = gather
 
-    @_plain_method
+    @_outside_transforms_method
     def wait_for_unshard(self) -> None:
         """Finish the gather, if any, and register the unsharded parameters on the modules."""
         if self.state is ShardedState.UNSHARDED:
@@ -307,13 +307,13 @@ class FSDPParamGroup:
             fsdp_param.register(fsdp_param.unsharded_param, replacing=fsdp_param.sharded_param)
         self._enter(ShardedState.UNSHARDED)
 
-    @_plain_method
+    @_outside_transforms_method
     def reshard(self) -> None:
         """Register the sharded parameters again and free the unsharded storage."""
         self._release(ShardedState.SHARDED)
         self._k_block = None
 
-    @_plain_method
+    @_outside_transforms_method
     def reshard_to_k(self) -> None:
         """Reshard, but keep this rank's block of W/k ranks' chunks so that backward gathers
         within a k-rank group (``reshard_after_forward=k``)."""
