@@ -19,6 +19,7 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, cast, overload
 
 import torch
@@ -60,7 +61,20 @@ if TYPE_CHECKING:
         ) -> None: ...
 
 
-__all__ = ["contiguous_strides", "has_extension", "mesh_only"]
+__all__ = ["ExtensionState", "contiguous_strides", "has_extension", "mesh_only"]
+
+
+@dataclass
+class ExtensionState:
+    """What gathering keeps of one extension parameter from one gather to the next; written by
+    ``packing.py`` alone."""
+
+    mesh: DeviceMesh | None = None  # handed to the pre hook (packing.shard_mesh)
+    # The gathered inputs handed to the post hook, kept across gathers: a hook may keep them as
+    # the unsharded parameter's inner tensors and refill nothing itself (out=).
+    outputs: list[torch.Tensor] | None = None
+    # The unsharded parameter's inner tensors with their sizes, once the post hook built them.
+    inner: list[tuple[torch.Tensor, int]] | None = None
 
 
 def has_extension(tensor: torch.Tensor) -> bool:

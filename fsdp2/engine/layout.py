@@ -131,8 +131,7 @@ class FlatLayout:
             fsdp_param.unsharded_param = nn.Parameter(
                 torch.empty(0), requires_grad=fsdp_param.requires_grad
             )
-            fsdp_param.ext_inner = None  # extension parameters: built by their post hook
-            fsdp_param.ext_outputs = None
+            packing.forget(fsdp_param)  # extension parameters: built by their post hook
         # 1-D, param-major, every plain parameter padded to shard_size * chunk (or the shard).
         self.unsharded_flat: torch.Tensor | None = self.sharded_flat if self.alias else None
         # Per plain parameter, its (shard_size, units) region of unsharded_flat.

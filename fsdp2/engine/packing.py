@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
     from fsdp2.engine.extension import Extension
 
-__all__ = ["Packing", "free", "pack", "shard_mesh", "unpack"]
+__all__ = ["Packing", "forget", "free", "pack", "shard_mesh", "unpack"]
 
 # Per extension parameter: its metadata and the (dtype, shape) of each input it sent.
 Packing = list[tuple[Any, list[tuple[torch.dtype, torch.Size]]]]
@@ -90,12 +90,12 @@ def shard_mesh(fsdp_param: FSDPParam, info: MeshInfo) -> DeviceMesh:
     """The 1-D mesh of the dim that shards the parameter (HSDP's shard dim, not its 2-D mesh),
     the mesh the pre hook gets: hooks ask it for the shard group (NF4's
     ``mesh.get_group().size()``). Several flattened shard dims keep the whole mesh."""
-    if fsdp_param.ext_mesh is None:
+    if fsdp_param.ext.mesh is None:
         mesh, names = info.mesh, info.mesh.mesh_dim_names
         if mesh.ndim > 1 and names and info.shard_axis is not None and len(info.shard_axes) < 2:
             mesh = mesh[names[info.shard_axis]]
-        fsdp_param.ext_mesh = mesh
-    return fsdp_param.ext_mesh
+        fsdp_param.ext.mesh = mesh
+    return fsdp_param.ext.mesh
 
 
 def _pad_rows(fsdp_param: FSDPParam, tensor: torch.Tensor) -> torch.Tensor:
@@ -119,11 +119,11 @@ def _outputs(
     first gather and regrown (after ``free``) at later ones, so a hook that keeps them as its
     inner tensors sees every gather's values."""
     shapes = [(dtype, (shard_size * s[0], *s[1:]) if s else (shard_size,)) for dtype, s in specs]
-    kept = fsdp_param.ext_outputs
+    kept = fsdp_param.ext.outputs
     if kept is None or [(t.dtype, tuple(t.shape)) for t in kept] != shapes:
         kept = [torch.empty(shape, dtype=dtype, device=device) for dtype, shape in shapes]
-        fsdp_param.ext_outputs = kept
-        fsdp_param.ext_inner = None  # new outputs: the post hook builds the parameter again
+        fsdp_param.ext.outputs = kept
+        fsdp_param.ext.inner = None  # new outputs: the post hook builds the parameter again
     for tensor in kept:
         regrow(tensor.untyped_storage(), tensor.numel() * tensor.element_size())
     return tuple(kept)
@@ -133,16 +133,16 @@ def _rebuild_unsharded(
     fsdp_param: FSDPParam, outputs: tuple[torch.Tensor, ...], metadata: Any, dtype: torch.dtype
 ) -> None:
     local = _subclass_view(fsdp_param)
-    if fsdp_param.ext_inner is None:
+    if fsdp_param.ext.inner is None:
         tensor, inner = local.fsdp_post_all_gather(outputs, metadata, dtype)
-        fsdp_param.ext_inner = [(t, t.untyped_storage().nbytes()) for t in inner]
+        fsdp_param.ext.inner = [(t, t.untyped_storage().nbytes()) for t in inner]
         if tensor.shape != fsdp_param.shape:  # padded rows (uneven dim 0): cut them off
             tensor = torch.as_strided(
                 tensor, fsdp_param.shape, contiguous_strides(fsdp_param.shape), 0
             )
         fsdp_param.adopt_unsharded(nn.Parameter(tensor, requires_grad=fsdp_param.requires_grad))
         return
-    for tensor, nbytes in fsdp_param.ext_inner:
+    for tensor, nbytes in fsdp_param.ext.inner:
         regrow(tensor.untyped_storage(), nbytes)
     # Refilling the very tensor autograd saved in forward (see [Note: freeing unsharded storage]).
     with torch.autograd._unsafe_preserve_version_counter(fsdp_param.unsharded_param):  # type: ignore[attr-defined]
@@ -169,7 +169,13 @@ def regrow(storage: torch.UntypedStorage, nbytes: int) -> None:
 
 
 def free(fsdp_param: FSDPParam) -> None:
-    for tensor, _ in fsdp_param.ext_inner or ():
+    for tensor, _ in fsdp_param.ext.inner or ():
         tensor.untyped_storage().resize_(0)
-    for tensor in fsdp_param.ext_outputs or ():
+    for tensor in fsdp_param.ext.outputs or ():
         tensor.untyped_storage().resize_(0)
+
+
+def forget(fsdp_param: FSDPParam) -> None:
+    """New buffers (a re-pack): the next gather hands the post hook new outputs."""
+    fsdp_param.ext.outputs = None
+    fsdp_param.ext.inner = None

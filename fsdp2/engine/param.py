@@ -28,13 +28,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, _dtensor_spec
 from torch.utils import dlpack
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from fsdp2.engine.extension import contiguous_strides, has_extension
+from fsdp2.engine.extension import ExtensionState, contiguous_strides, has_extension
 from fsdp2.engine.mesh import MeshInfo, sharded_layout
 from fsdp2.engine.nested import dp_rows_mismatch, piece_sizes
 from fsdp2.engine.releases import CLEAR_NATIVE_DTENSOR_CACHE
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
+    pass
 
 __all__ = ["FSDPParam", "typed"]
 
@@ -81,19 +81,14 @@ class FSDPParam:
         self.requires_grad = param.requires_grad
         self.numel = math.prod(self.shape)
         self.dim = 0  # the dim fsdp2 splits (shard_placement_fn may pick another)
-        # All-gather extension (see extension.py): the subclass the shard is viewed as, and the
-        # unsharded parameter's inner tensors with their sizes, once the post hook built them.
+        # All-gather extension (see extension.py): the subclass the shard is viewed as.
         local = param._local_tensor if isinstance(param, DTensor) else param
         self.subclass = type(local) if has_extension(local) else None
         self.extension = self.subclass is not None
         # A wrapper subclass (its data in inner tensors, as torchao's float8 and NF4 weights) has
         # no storage of its own to view the flat buffer through: its shard lives outside it.
         self.wrapper = self.extension and is_traceable_wrapper_subclass(local)
-        self.ext_inner: list[tuple[torch.Tensor, int]] | None = None
-        # The gathered inputs handed to the post hook, kept across gathers: a hook may keep them
-        # as the unsharded parameter's inner tensors and refill nothing itself (out=).
-        self.ext_outputs: list[torch.Tensor] | None = None
-        self.ext_mesh: DeviceMesh | None = None  # handed to the pre hook (packing.shard_mesh)
+        self.ext = ExtensionState()  # what packing.py keeps across gathers
         self.module = slots[0][0]  # handed to fsdp_pre_all_gather
         self.on_grad_ready: Callable[[torch.Tensor], None] | None = None
         # Set by the group's layout once it is fixed (layout.py).
