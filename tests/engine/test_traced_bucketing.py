@@ -25,9 +25,7 @@ import pytest
 import torch
 
 from fsdp2.engine.traced import set_traced
-from tests.harness import run_on_ranks
-from tests.models import build_model
-from tests.test_compile import (
+from tests.engine.test_compile import (
     COMPILE_TIMEOUT_S,
     MODEL_SEED,
     _fresh_dynamo,
@@ -35,6 +33,8 @@ from tests.test_compile import (
     _train_side_by_side,
     _Trainer,
 )
+from tests.harness import run_on_ranks
+from tests.models import build_model
 from tests.tolerance import SGD_FP32
 
 pytestmark = pytest.mark.usefixtures("fsdp2_only")
