@@ -83,9 +83,7 @@ def _bucketed(name: str, options: dict[str, Any]) -> dict[str, Any]:
     compiled = torch.compile(model, fullgraph=True, options=options)
     no_cache = torch._functorch.config.patch(enable_autograd_cache=False)
     with no_cache, _post_grad_counts() as counts:
-        report = _train_side_by_side(
-            name, _Trainer(model, name, compiled), tol=SGD_FP32.rtol, traced=True
-        )
+        report = _train_side_by_side(name, _Trainer(model, name, compiled), SGD_FP32, traced=True)
     report["groups"] = sum(1 for _ in model.blocks) + 1  # every block, and the root
     report["collectives"] = counts  # forward graph, then backward graph
     return report
