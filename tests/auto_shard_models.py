@@ -1,4 +1,5 @@
-"""Models for tests/test_auto_shard.py, each with the sharding a careful person writes by hand.
+"""Models for tests/tools/test_auto_shard.py, each with the sharding a careful person writes by
+hand.
 
 Every ``Case`` holds a builder (the model's ``forward(*batch)`` returns the mean loss), the
 hand-written ``fully_shard`` calls for it, and the exact (fqn, kwargs) list ``auto_shard`` must

@@ -1,4 +1,5 @@
-"""Rank-side scenarios for `tests/test_hang.py`: the ways ranks stop issuing matching collectives.
+"""Rank-side scenarios for `tests/debug/test_hang.py`: the ways ranks stop issuing matching
+collectives.
 
 Each scenario trains a small stack on its own fresh process group (so a half-done collective
 leaves the pool's default group intact for the next scenario) and returns, per rank, what ended

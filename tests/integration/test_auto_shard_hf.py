@@ -1,6 +1,6 @@
 """auto_shard on Hugging Face's own LlamaForCausalLM (built from a LlamaConfig, nothing
 downloaded), untied and with tied embeddings: the plan is the hand-written one, and it trains with
-parity and bitwise like the hand-written ``fully_shard`` calls (see tests/test_auto_shard.py).
+parity and bitwise like the hand-written ``fully_shard`` calls (see tests/tools/test_auto_shard.py).
 Here rather than in the default suite because importing transformers costs seconds per process.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.auto_shard_models import HF_CASES
-from tests.test_auto_shard import check_plan, check_training
+from tests.tools.test_auto_shard import check_plan, check_training
 
 pytest.importorskip("transformers")
 

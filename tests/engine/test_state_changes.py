@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-from tests import test_mixed_dtypes as mixed
+from tests.engine import test_mixed_dtypes as mixed
 from tests.errors import error_text
 from tests.harness import IMPL_UNDER_TEST, fsdp_api, per_group_collectives, run_on_ranks
 from tests.models import MLP_DIM, MLP_IN, MLP_OUT, build_model, make_batch

@@ -24,7 +24,8 @@ from torch.distributed.tensor import DTensor, Shard
 from tests.harness import fsdp_api, run_on_ranks
 from tests.tolerance import FP32_ATOL, FP32_RTOL
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(_REPO, "examples"))
 
 NUM_STEPS = 3
 GLOBAL_BATCH = 8

@@ -11,7 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # A framework module that imported torch's names at load time, before the swap, and one that
 # looks them up when called (as accelerate does).

@@ -438,7 +438,7 @@ def _build_scaled(kind: str) -> tuple[nn.Module, Callable[[int], Batch]]:
     rank = dist.get_rank()
     fp16 = MixedPrecisionPolicy(param_dtype=FP16, reduce_dtype=FP32)
     if kind == "tp":  # TP on a (dp=2, tp=2) mesh: gradients on two meshes
-        from tests.test_tensor_parallel import TinyGPT, make_batch, parallelize
+        from tests.engine.test_tensor_parallel import TinyGPT, make_batch, parallelize
 
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         model = TinyGPT()
@@ -504,7 +504,7 @@ def _unscaled_vs_plain_backward() -> bool:
 
 
 def test_sharded_grad_scaler_unscales_every_shard() -> None:
-    # AdamW would hide a gradient left scaled (tests/test_mixed_precision steps use it): compare.
+    # AdamW would hide a gradient left scaled (this file's steps use it): compare.
     assert run_on_ranks(2, _unscaled_vs_plain_backward) == [True, True]
 
 

@@ -45,7 +45,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _cli(workdir: Path, *args: str) -> tuple[int, str]:
     """The exit code and stderr (the working directory shown as <dir>)."""
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[3])
     env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "fsdp2.plan", *args],

@@ -21,7 +21,7 @@ from tests.errors import raised
 from tests.harness import run_on_ranks
 from tests.models import MODELS, build_model
 from tests.parity import MODEL_SEED, local_batch
-from tests.test_plan import _records, shard_blocks
+from tests.tools.planner.test_plan import _records, shard_blocks
 
 pytestmark = pytest.mark.usefixtures("fsdp2_only")
 
@@ -107,7 +107,7 @@ dist.destroy_process_group()
 def test_plan_in_a_fresh_job() -> None:
     """A script's first act after init_process_group: plan (its gloo group has never run a
     collective; destroying its copy in the forked planner once aborted there)."""
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[3])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

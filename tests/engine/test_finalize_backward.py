@@ -3,7 +3,7 @@ finalization (``set_manual_backward_finalization``, ``finalize_backward``,
 ``GradientReductionHandle``), ``set_keep_unsharded_storage`` and
 ``MixedPrecisionPolicy.param_dtype_override_fn``. Each trains exactly as fsdp2's automatic path,
 and, where the installed torch has the same API, exactly as torch's ``fully_shard`` with the same
-collectives. Pipelining's use of them: tests/test_pipelining.py."""
+collectives. Pipelining's use of them: tests/engine/test_pipelining.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``fsdp2.optim.Muon`` as a drop-in for ``torch.optim.Muon``: the same arguments, defaults and
 steps, torch's state dicts load, full and CPU-offloaded state dicts work, and ``adamw_params``
-train (the sharded steps equal the single-process ones bitwise: tests/test_muon.py).
+train (the sharded steps equal the single-process ones bitwise: tests/optim/test_muon.py).
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ def _train(budget: int, num_micro: int, bf16: bool = False) -> dict[str, Any]:
             before_micro=no_sync_but_last,
             optim=optim,
             # bf16: the reference computes each rank's rows on its own bf16 casts (the same
-            # arithmetic as sharded training, tests/test_mixed_precision.py)
+            # arithmetic as sharded training, tests/engine/test_mixed_precision.py)
             tol=SAME_ARITHMETIC if bf16 else FP32,
             ref_forward=cast_forward(torch.bfloat16, world) if bf16 else None,
         )

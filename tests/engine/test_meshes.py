@@ -4,7 +4,7 @@ Every layout trains an `MLPStack` (a group per block, then the root) side by sid
 unsharded reference (`tests/parity/`) and pins the collectives each step issues: which kind,
 over how many ranks, and the bytes that show whether a gradient all-reduce moves a shard (HSDP)
 or whole parameters (replicate). Error messages are pinned in the test process on a 1-rank group
-(regenerate with ``EXPECTTEST_ACCEPT=1 python -m pytest tests/test_meshes.py``).
+(regenerate with ``EXPECTTEST_ACCEPT=1 python -m pytest tests/engine/test_meshes.py``).
 """
 
 from __future__ import annotations

@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 if __package__ in (None, ""):  # run as a script by torchrun: make `tests` importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    _repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, _repo)
 
 from tests.hang_scenarios import normalise
 from tests.harness import IMPL_UNDER_TEST, launch, run_on_ranks
