@@ -150,7 +150,7 @@ class FSDPParamGroup:
     """All-gathers, frees and reduce-scatters the parameters of one ``fully_shard`` call."""
 
     # The collective seam (collectives.py); a test may give one group its own to observe its
-    # gathers (tests/test_memory.py).
+    # gathers (tests/engine/test_memory.py).
     all_gather = staticmethod(all_gather)
 
     def __init__(
