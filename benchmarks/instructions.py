@@ -1,13 +1,16 @@
 """Instructions of fsdp2's steps at one rank, under callgrind: the check a refactor must pass.
 
-    valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file=/tmp/cg.%p \\
-        python benchmarks/instructions.py
+    OMP_NUM_THREADS=1 valgrind --tool=callgrind --instr-atstart=no \\
+        --callgrind-out-file=/tmp/cg.%p python benchmarks/instructions.py
     callgrind_annotate /tmp/cg.<pid> | head -20     # "PROGRAM TOTALS" is the figure
 
 The mlp-stack (96 blocks, W=1, gloo), coalescing off, AdamW: two warm-up steps, then
-collection switched on (``callgrind_control -i on``) for exactly three steps. Repeatable to
-about ±0.2% on this machine (benchmarks/README.md, session 13); compare two commits with the same
-python and torch. Outside valgrind it runs the same steps and collects nothing.
+collection switched on (``callgrind_control -i on``) for exactly three steps. Callgrind counts
+every thread: with more than one intra-op thread, spinning workers make the count depend on
+timing (9% apart between two runs here), so the script runs one (``OMP_NUM_THREADS=1`` as well,
+for the pool's own start). ``python`` must be the interpreter itself, not a shell shim (pyenv's):
+valgrind does not follow a shim's exec. Compare two commits with the same python and torch.
+Outside valgrind it runs the same steps and collects nothing.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ def collect(on: bool) -> None:
 
 
 def main() -> None:
+    torch.set_num_threads(1)  # see above: no spinning workers in the count
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29581")
     dist.init_process_group("gloo", rank=0, world_size=1)

@@ -153,6 +153,6 @@ class TestUnevenNestingError(expecttest.TestCase):
         model.weight = nn.Parameter(piece)
         param = FSDPParam(model.weight, [(model, "weight")], "weight", "Linear")
         self.assertExpectedInline(
-            raised(lambda: param.plan(info)),
+            raised(lambda: param.set_chunk(info)),
             """NotImplementedError: weight: tensor parallelism splits dim 0 (size 7) into pieces of [4, 3] rows and fsdp2 splits each again over 3 data-parallel ranks; DTensor's (_StridedShard(dim=0, sf=2), Shard(dim=0)) would place these uneven rows elsewhere. Make the size divisible by 3 x the tensor-parallel degree, or shard another dim with shard_placement_fn""",
         )
