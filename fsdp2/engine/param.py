@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor, Replicate, Shard, _dtensor_spec
+from torch.distributed.tensor.placement_types import Placement
 from torch.utils import dlpack
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
@@ -34,7 +35,7 @@ from fsdp2.engine.nested import dp_rows_mismatch, piece_sizes
 from fsdp2.engine.releases import CLEAR_NATIVE_DTENSOR_CACHE
 
 if TYPE_CHECKING:
-    pass
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["FSDPParam", "typed"]
 
@@ -101,6 +102,19 @@ class FSDPParam:
         self.unsharded_param: nn.Parameter  # plain tensor viewing the unsharded buffer
         self.grad_node: torch.autograd.graph.Node | None = None  # AccumulateGrad, kept alive
         self._hooked: nn.Parameter | None = None  # the unsharded parameter given on_grad_ready
+        # This rank's chunk, fixed by set_chunk (the layout's first step: see there).
+        self.dp_axes: frozenset[int] = frozenset()
+        self.mesh: DeviceMesh
+        self.placements: tuple[Placement, ...]
+        self.chunk_numel = 0
+        self.chunk_rows = 0
+        self.row_start = 0
+        self.local_shape: tuple[int, ...] = ()
+        self.layout_shape: tuple[int, ...] = ()
+        # The shard as a tensor (a view of the flat shard; a wrapper's own tensor) and, but for
+        # a wrapper, that view's storage: set by init_sharded.
+        self.local_tensor: torch.Tensor
+        self.local_storage: torch.UntypedStorage
 
     def set_chunk(self, info: MeshInfo) -> None:
         """Fix this rank's chunk: ``chunk_numel`` (padded, equal on all ranks) and the real part,
@@ -113,8 +127,8 @@ class FSDPParam:
                 info, self.outer_spec, Replicate(), self.fqn
             )
             self.chunk_numel = 1
-            self.local_shape: tuple[int, ...] = ()
-            self.layout_shape: tuple[int, ...] = ()
+            self.local_shape = ()
+            self.layout_shape = ()
             self.row_start = self.chunk_rows = 0
             return
         self.mesh, self.placements = sharded_layout(info, self.outer_spec, Shard(dim), self.fqn)
