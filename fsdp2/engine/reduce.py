@@ -40,7 +40,7 @@ missed is the one case this leaves rank-dependent (the hang report names it).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple, cast
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -60,7 +60,8 @@ class PendingReduce:
 
     __slots__ = (
         "free_input",
-        "keep_alive",
+        "grads",
+        "inp",
         "out",
         "params",
         "pending",
@@ -75,20 +76,23 @@ class PendingReduce:
         pending: Pending,
         out: torch.Tensor | None,
         params: list[FSDPParam],
-        keep_alive: object,
+        inp: torch.Tensor | None,
         use_sum: bool,
         free_input: bool = False,
         used: list[bool] | None = None,
+        grads: list[torch.Tensor] | None = None,
     ) -> None:
         self.reducer = reducer
         self.pending = pending
         self.out = out  # 1-D, this rank's reduced chunk of every parameter in ``params``
         self.params = params
-        self.keep_alive = keep_alive  # the collective's input must outlive it
+        self.inp = inp  # the collective's input, which must outlive it
         self.use_sum = use_sum  # summed, not averaged: the division is still to do
-        # keep_alive is our own input buffer (not a custom collective's, which may reuse it):
-        # free it once done, not whenever the backend drops its reference.
+        # inp is our own buffer (not a custom collective's, which may reuse it): free it once
+        # done, not whenever the backend drops its reference.
         self.free_input = free_input
+        # One rank, no collective (``out`` is None): the gradients, which are the shards.
+        self.grads = grads
         # Which of ``params`` had a gradient on this rank, when ``out`` ends with one flag per
         # parameter (see [Note: gradients on some ranks only]); None: no flags.
         self.used = used
@@ -105,11 +109,11 @@ class PendingReduce:
     def finish(self) -> list[Reduced]:
         self.pending.wait()
         if self.out is None:  # one rank, nothing to reduce: the gradients are the shards
-            grads, self.keep_alive = self.keep_alive, None
-            return self.reducer.own_shards(self.params, cast("list[torch.Tensor]", grads))
-        if self.free_input:
-            cast(torch.Tensor, self.keep_alive).untyped_storage().resize_(0)
-        self.keep_alive = None
+            grads, self.grads = self.grads or [], None
+            return self.reducer.own_shards(self.params, grads)
+        if self.free_input and self.inp is not None:
+            self.inp.untyped_storage().resize_(0)
+        self.inp = None
         return self.reducer.finish_reduce(self.out, self.params, self.use_sum, self.used)
 
 
@@ -288,7 +292,7 @@ class GradientReducer:
         use_sum = self.sums()
         if self.shard_size == 1 and self.info.replicate_group is None and not use_sum:
             if self.settings.all_reduce_hook is None:
-                return PendingReduce(self, Pending(None), None, params, grads, use_sum)
+                return PendingReduce(self, Pending(None), None, params, None, use_sum, grads=grads)
         if self.layout.mixed or any(g.dtype != grads[0].dtype for g in grads):
             # _chunk_cat takes one dtype (and casts it to reduce_dtype): a mixed-dtype group's,
             # or running sums without sync next to this backward's gradients or zeros
