@@ -155,8 +155,9 @@ class FlatLayout:
             )
         self.copy_out_views = [
             self.unsharded_flat[
-                shard_size * p.gather_offset : shard_size * (p.gather_offset + p.gather_units)
-            ].view(shard_size, p.gather_units)
+                shard_size * p.place.gather_offset : shard_size
+                * (p.place.gather_offset + p.place.gather_units)
+            ].view(shard_size, p.place.gather_units)
             for p in self.plain_params
         ]
         for fsdp_param in self.plain_params:
@@ -193,17 +194,20 @@ class FlatLayout:
         self._cast_each = self.mixed and any(p.param_dtype != p.dtype for p in self.plain_params)
         offset = 0
         for p in self.plain_params:
-            p.gather_offset, p.gather_units = offset, self._units(p.chunk_numel, p.param_dtype)
-            offset += p.gather_units
+            p.place.gather_offset, p.place.gather_units = (
+                offset,
+                self._units(p.chunk_numel, p.param_dtype),
+            )
+            offset += p.place.gather_units
         self.plain_numel = offset
-        self._chunk_sizes = [p.gather_units for p in self.plain_params]
+        self._chunk_sizes = [p.place.gather_units for p in self.plain_params]
         # The shard's plain prefix is what a gather without casts sends: the same layout. Chunks
         # not sent as they are may start anywhere: at 16 bytes, aligned for any dtype.
         offset = 0
         for p in self.plain_params + [p for p in self.ext_params if not p.wrapper]:
             if self.mixed and (self._cast_each or p.extension):
                 offset = -(-offset // 16) * 16
-            p.offset = offset
+            p.place.offset = offset
             offset += self._units(p.chunk_numel, p.dtype)
         self.shard_numel = offset
         # Shard(dim > 0) chunks are strided slabs of the full parameter: no single split-copy.
@@ -307,9 +311,10 @@ class FlatLayout:
         send = torch.empty(self.plain_numel, dtype=torch.uint8, device=self.device)
         flat = self.sharded_flat
         dst = [
-            typed(send, p.gather_offset, p.chunk_numel, p.param_dtype) for p in self.plain_params
+            typed(send, p.place.gather_offset, p.chunk_numel, p.param_dtype)
+            for p in self.plain_params
         ]
-        src = [typed(flat, p.offset, p.chunk_numel, p.dtype) for p in self.plain_params]
+        src = [typed(flat, p.place.offset, p.chunk_numel, p.dtype) for p in self.plain_params]
         torch._foreach_copy_(dst, src, non_blocking=True)
         return send
 

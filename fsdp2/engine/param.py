@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,7 +38,7 @@ from fsdp2.engine.releases import CLEAR_NATIVE_DTENSOR_CACHE
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["FSDPParam", "typed"]
+__all__ = ["BufferPlace", "FSDPParam", "typed"]
 
 
 def typed(flat: torch.Tensor, start: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -46,6 +47,17 @@ def typed(flat: torch.Tensor, start: int, numel: int, dtype: torch.dtype) -> tor
     if flat.dtype == dtype:
         return flat[start : start + numel]
     return flat[start : start + numel * dtype.itemsize].view(dtype)
+
+
+@dataclass(slots=True)
+class BufferPlace:
+    """Where the group's layout put one parameter's chunk (written by layout.py alone): its start
+    in a rank's flat shard, and its start and length in a rank's part of the gathered buffer, in
+    the buffers' units (the dtype's elements, or bytes in a mixed-dtype group)."""
+
+    offset: int = 0
+    gather_offset: int = 0
+    gather_units: int = 0
 
 
 class FSDPParam:
@@ -93,11 +105,8 @@ class FSDPParam:
         self.module = slots[0][0]  # handed to fsdp_pre_all_gather
         self.on_grad_ready: Callable[[torch.Tensor], None] | None = None
         # Set by the group's layout once it is fixed (layout.py).
-        self.offset = 0  # start of this parameter's chunk inside a rank's flat shard
+        self.place = BufferPlace()  # where its chunk is in the group's buffers
         self.param_dtype = self.dtype  # what it is gathered and computed in (mixed precision)
-        # Its chunk in a rank's part of the gathered buffer (in the dtype's units, or bytes).
-        self.gather_offset = 0
-        self.gather_units = 0
         self.sharded_param: nn.Parameter  # DTensor; the optimizer's parameter
         self.unsharded_param: nn.Parameter  # plain tensor viewing the unsharded buffer
         self.grad_node: torch.autograd.graph.Node | None = None  # AccumulateGrad, kept alive
@@ -191,7 +200,7 @@ class FSDPParam:
         if self.wrapper:
             local = self._wrapper_shard(flat.device, full)
         else:
-            local = own_storage(typed(flat, self.offset, self.local_numel, self.dtype))
+            local = own_storage(typed(flat, self.place.offset, self.local_numel, self.dtype))
             self.local_storage = local.untyped_storage()  # what in_buffer() recognises
             local = local.view(self.local_shape)
             if self.subclass is not None:
@@ -262,7 +271,7 @@ class FSDPParam:
     def init_unsharded(self, unsharded_flat: torch.Tensor, world: int) -> None:
         """View this parameter's (padded) region of the group's param-major unsharded buffer: its
         start, as a contiguous tensor of the full shape."""
-        start = world * self.gather_offset
+        start = world * self.place.gather_offset
         view = typed(unsharded_flat, start, self.numel, self.param_dtype).view(self.shape)
         if self.outer_spec is not None:
             view = DTensor(view, self.outer_spec, requires_grad=False)  # type: ignore[no-untyped-call]
