@@ -68,8 +68,8 @@ class Member(Protocol):
     forward_prefetch: list[FSDPParamGroup] | None
     backward_prefetch: list[FSDPParamGroup] | None
 
-    def end_backward(self, keep_gathered: bool) -> None:
-        """The end of backward: the state's groups done with it, the state idle."""
+    def end_backward(self) -> None:
+        """The end of backward, its groups finished: the state idle."""
 
     def forget_iteration(self) -> None:
         """A reset: the state's groups and calls as if the failed iteration never ran."""
@@ -215,19 +215,20 @@ class IterContext(Generic[_Member]):
         keep_gathered = torch.is_grad_enabled()
         manual = bool(self.manual_active)
         for group in self.groups:
-            # Without sync: a group whose module's backward did not finish in this backward (a
-            # list group where only one module ran: torchtitan's chunked loss on [norm,
-            # lm_head]) has not stashed yet; left in .grad, the next micro-step would sum in
-            # param_dtype. With sync in manual mode: finalize_backward reduces it.
-            if not (manual and group.settings.requires_gradient_sync):
-                self.finish_group(group, UNBOUNDED, keep_gathered=keep_gathered)
+            # Every group, including those whose hooks finished them (the reshard is then a
+            # no-op): without sync, a group whose module's backward did not finish in this
+            # backward (a list group where only one module ran: torchtitan's chunked loss on
+            # [norm, lm_head]) has not stashed yet; left in .grad, the next micro-step would sum
+            # in param_dtype. With sync in manual mode, finalize_backward reduces it.
+            hold = manual and group.settings.requires_gradient_sync
+            self.finish_group(group, UNBOUNDED, keep_gathered=keep_gathered, hold=hold)
         if self.is_last_backward and not manual:
             self.wait_for_reductions()
         else:
             self.reductions.flush(UNBOUNDED)  # before anything waits for a reduction
         self.reductions.hand_over()
         for state in self.states:
-            state.end_backward(keep_gathered)
+            state.end_backward()
         self.callback_queued = False
         self.num_backwards += 1
 
@@ -238,6 +239,7 @@ class IterContext(Generic[_Member]):
         *,
         keep_gathered: bool = False,
         always: bool = False,
+        hold: bool = False,
     ) -> None:
         """The one place a group is finished with a backward: reshard it (if it reshards after
         backward, and unless ``keep_gathered``: a ``create_graph`` backward's hooks), first,
@@ -245,11 +247,13 @@ class IterContext(Generic[_Member]):
         gradient sync, fold them into the unreduced sum. ``always``: reduce even what holds no
         gradient on this rank (a module's backward is done: every rank reduces there, maybe
         zeros for a coalesced bucket); otherwise only what is left (summed over micro-batches
-        without sync, or ``set_reduce_scatter_unused_params``'s zeros). Called when a module's
-        backward is done (``FSDPState``), at the end of backward, by ``finalize_backward`` and
-        pipelining's ``post_backward()``."""
+        without sync, or ``set_reduce_scatter_unused_params``'s zeros); ``hold``: only the
+        reshard. Called when a module's backward is done (``FSDPState``), at the end of
+        backward, by ``finalize_backward`` and pipelining's ``post_backward()``."""
         if group.settings.reshard_after_backward and not keep_gathered:
             group.reshard()
+        if hold:
+            return
         if not group.settings.requires_gradient_sync:
             group.reducer.stash_grads()
         elif always or group.reducer.reduces_at_end():

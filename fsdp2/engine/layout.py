@@ -153,13 +153,11 @@ class FlatLayout:
             self.unsharded_flat = torch.empty(
                 shard_size * self.plain_numel, dtype=self.param_dtype, device=self.device
             )
-        self.copy_out_views = [
-            self.unsharded_flat[
-                shard_size * p.place.gather_offset : shard_size
-                * (p.place.gather_offset + p.place.gather_units)
-            ].view(shard_size, p.place.gather_units)
-            for p in self.plain_params
-        ]
+        self.copy_out_views = []
+        for p in self.plain_params:
+            start, units = shard_size * p.place.gather_offset, p.place.gather_units
+            region = self.unsharded_flat[start : start + shard_size * units]
+            self.copy_out_views.append(region.view(shard_size, units))
         for fsdp_param in self.plain_params:
             fsdp_param.init_unsharded(self.unsharded_flat, shard_size)
 
@@ -194,11 +192,9 @@ class FlatLayout:
         self._cast_each = self.mixed and any(p.param_dtype != p.dtype for p in self.plain_params)
         offset = 0
         for p in self.plain_params:
-            p.place.gather_offset, p.place.gather_units = (
-                offset,
-                self._units(p.chunk_numel, p.param_dtype),
-            )
-            offset += p.place.gather_units
+            units = self._units(p.chunk_numel, p.param_dtype)
+            p.place.gather_offset, p.place.gather_units = offset, units
+            offset += units
         self.plain_numel = offset
         self._chunk_sizes = [p.place.gather_units for p in self.plain_params]
         # The shard's plain prefix is what a gather without casts sends: the same layout. Chunks

@@ -343,12 +343,11 @@ class FSDPState:
 
     # -- end of the iteration (called by IterContext) ---------------------------------------------
 
-    def end_backward(self, keep_gathered: bool) -> None:
-        """At the end of backward (``IterContext.end_of_backward``), after the last reductions."""
+    def end_backward(self) -> None:
+        """At the end of backward (``IterContext.end_of_backward``), after the last reductions
+        (which finished and resharded every group)."""
         for group in self.groups:
             group.reducer.end_backward()
-            if group.settings.reshard_after_backward and not keep_gathered:
-                group.reshard()
         self.training_state = TrainingState.IDLE
 
     def forget_iteration(self) -> None:
