@@ -16,6 +16,7 @@ import argparse
 import gc
 import math
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -280,7 +281,24 @@ def resume() -> int:
 # -----------------------------------------------------------------------------------------------
 # Training loop
 
+
+def clear_earlier_run() -> None:
+    """A fresh run (no --resume) owns the checkpoint folder: an earlier run's checkpoints would
+    block its saves at the same steps, and a later --resume would mix the two runs."""
+    earlier = sorted(ckpt_dir.glob("step_*")) + sorted(ckpt_dir.glob(".step_*.partial"))
+    if rank == 0 and earlier:
+        console.print(
+            f"fresh run: removing {len(earlier)} checkpoint(s) of an earlier run from "
+            f"{ckpt_dir}/ (pass --resume to continue that run instead)"
+        )
+        for path in earlier:
+            shutil.rmtree(path)
+    dist.barrier()
+
+
 start_step = resume() if args.resume else 0
+if not args.resume and args.ckpt_every:
+    clear_earlier_run()
 initial_val = val_loss()
 window_loss, window_steps = torch.zeros((), device=device), 0
 first_loss = last_loss = float("nan")
