@@ -1,10 +1,12 @@
-"""``IterContext``: what the fsdp2 states under one root share during a training iteration.
+"""``IterContext``: one root's training iteration, where every collective of it is decided.
 
-The root's lazy init (``FSDPState._lazy_init``) gathers every state below it into one context:
-the order groups ran in (see [Note: prefetch order] below), the reduce-scatters in
-flight (and those held to be coalesced: [Note: coalesced reduce-scatters]), the reduced shards
-waiting for the end of backward, and the end-of-backward callback, which finishes what the
-per-module hooks left and ends every state's iteration.
+The root's lazy init (``FSDPState._lazy_init``) gives the groups of every state below it one
+context: the order groups ran in (see [Note: prefetch order] below), the gathers and their
+coalescing, the reduce-scatters in flight (and those held to be coalesced: [Note: coalesced
+reduce-scatters]), the reduced shards waiting for the end of backward, and the end of backward,
+which finishes what the per-module hooks left. The states' hooks (``state.py``) say when
+something happens (a forward starts, a module's backward is done, backward ends); the context
+decides what runs then; a group knows how (gather, free, reduce its own parameters).
 
 [Note: manual backward finalization]
 By default the end of each backward reduces what the hooks left and, unless
@@ -42,10 +44,8 @@ all-gathers per step instead of 14).
 from __future__ import annotations
 
 import logging
-from typing import Generic, Protocol, TypeVar
 
 import torch
-from torch.autograd import Variable
 
 from fsdp2.engine.changes import take_up_changes
 from fsdp2.engine.coalesce import Gathers, coalesce_bytes
@@ -58,26 +58,6 @@ __all__ = ["IterContext", "trace"]
 logger = logging.getLogger("fsdp2")
 
 
-class Member(Protocol):
-    """What the context asks of each state under its root. ``IterContext`` is generic in the
-    states' type (``FSDPState``), so that it sits below ``state.py``, which builds it."""
-
-    groups: list[FSDPParamGroup]
-    manual_finalization: bool  # the root's: set_manual_backward_finalization
-    # Explicit prefetch targets (set_modules_to_*_prefetch); None: the recorded order guesses.
-    forward_prefetch: list[FSDPParamGroup] | None
-    backward_prefetch: list[FSDPParamGroup] | None
-
-    def end_backward(self) -> None:
-        """The end of backward, its groups finished: the state idle."""
-
-    def forget_iteration(self) -> None:
-        """A reset: the state's groups and calls as if the failed iteration never ran."""
-
-
-_Member = TypeVar("_Member", bound=Member)
-
-
 def trace(label: str, fqn: str) -> None:
     """One event per hook, for the profiler and the ``fsdp2`` logger; near free when both are off."""
     if torch._C._autograd._profiler_enabled():
@@ -87,12 +67,13 @@ def trace(label: str, fqn: str) -> None:
         logger.debug("fsdp2::%s %s", label, fqn)
 
 
-class IterContext(Generic[_Member]):
-    """What the states under one root share during a training iteration."""
+class IterContext:
+    """What the groups under one root share during a training iteration. It knows groups, not
+    the states that own them: the states' hooks say *when* (``state.py``), this decides *what*."""
 
-    def __init__(self, states: list[_Member]) -> None:
-        self.states = states  # pre-order: the root first
-        self.groups = [group for s in states for group in s.groups]
+    def __init__(self, groups: list[FSDPParamGroup], root_groups: list[FSDPParamGroup]) -> None:
+        self.groups = groups  # every state's, pre-order: the root's first
+        self.root_groups = root_groups
         self.forward_order: list[FSDPParamGroup] = []  # last completed forward's group order
         self.recording: list[FSDPParamGroup] = []
         self.iteration = 0
@@ -111,10 +92,9 @@ class IterContext(Generic[_Member]):
         self.manual_active: bool | None = None
         self.pending_reduction: object | None = None
         self.post_optim_event: torch.Event | None = None
-        # Whether gathers may be coalesced (no explicit prefetch anywhere), and the iteration
-        # that was decided in (may_coalesce).
+        # No state has explicit prefetch targets (set at each start_forward): gathers may be
+        # coalesced, if coalescing is on ([Note: coalesced gathers]).
         self.coalesce_ok = False
-        self.coalesce_in = -1
 
     def record(self, group: FSDPParamGroup) -> None:
         """Note that ``group`` runs now (its first call this iteration fixes its position)."""
@@ -125,15 +105,8 @@ class IterContext(Generic[_Member]):
 
     def may_coalesce(self) -> bool:
         """Whether coalescing is on and no state has explicit prefetch targets: the user's
-        order then rules ([Note: coalesced gathers]). Asked once per iteration."""
-        if not coalesce_bytes():
-            return False
-        if self.coalesce_in != self.iteration:
-            self.coalesce_in = self.iteration
-            self.coalesce_ok = all(
-                s.forward_prefetch is None and s.backward_prefetch is None for s in self.states
-            )
-        return self.coalesce_ok
+        order then rules ([Note: coalesced gathers])."""
+        return self.coalesce_ok and bool(coalesce_bytes())
 
     def gather(self, group: FSDPParamGroup, coalesce: bool, backward: bool) -> None:
         """Start gathering ``group`` (a no-op if it is gathered or under way): with the small
@@ -170,21 +143,23 @@ class IterContext(Generic[_Member]):
             previous = group  # nothing to prefetch
             if is_root:
                 previous = order[-1]
-            elif (
-                group.order_index > 0 and order[group.order_index - 1] not in self.states[0].groups
-            ):
+            elif group.order_index > 0 and order[group.order_index - 1] not in self.root_groups:
                 previous = order[group.order_index - 1]
             if previous is not group and previous.settings.unshard_in_backward:
                 self.gather(previous, coalesce, backward=True)
 
-    def start_forward(self) -> None:
+    def start_forward(self, explicit_prefetch: bool) -> bool:
+        """The root's forward starts a new iteration. ``explicit_prefetch``: some state has
+        explicit prefetch targets (no coalescing this iteration). Returns whether the last
+        backward never reached its end (it raised) and was reset here: the states then forget
+        it too."""
         if self.pending_reduction is not None:
             raise RuntimeError(
                 "fsdp2: forward started while the gradient reduction of "
                 "finalize_backward(async_op=True) is pending; call wait() on its handle first"
             )
-        if self.callback_queued:
-            # The last backward never reached its end (it raised): recover before going on.
+        recovered = self.callback_queued
+        if recovered:
             self.reset()
         if self.post_optim_event is not None:
             self.post_optim_event.wait()
@@ -192,18 +167,23 @@ class IterContext(Generic[_Member]):
         self.iteration += 1
         self.recording = []
         self.training_forward = torch.is_grad_enabled()
+        self.coalesce_ok = not explicit_prefetch
+        return recovered
 
     def end_forward(self) -> None:
         run_deferred_checks()  # a coalesced gather's headers, on accelerators
         self.forward_order = self.recording
         self.training_forward = False
 
-    def queue_end_of_backward(self) -> None:
-        if not self.callback_queued:
-            self.callback_queued = True
-            if self.manual_active is None:
-                self.manual_active = self.states[0].manual_finalization
-            Variable._execution_engine.queue_callback(self.end_of_backward)
+    def begin_backward(self, manual: bool) -> bool:
+        """A hook of this backward ran; ``manual``: the root's manual finalization. Returns
+        whether this is the first: the caller then queues the end of backward."""
+        if self.callback_queued:
+            return False
+        self.callback_queued = True
+        if self.manual_active is None:
+            self.manual_active = manual
+        return True
 
     def end_of_backward(self) -> None:
         """Reduce whatever was not reduced yet, wait for it all, and reshard every group.
@@ -227,8 +207,8 @@ class IterContext(Generic[_Member]):
         else:
             self.reductions.flush(UNBOUNDED)  # before anything waits for a reduction
         self.reductions.hand_over()
-        for state in self.states:
-            state.end_backward()
+        for group in self.groups:
+            group.reducer.end_backward()
         self.callback_queued = False
         self.num_backwards += 1
 
@@ -283,8 +263,10 @@ class IterContext(Generic[_Member]):
         """Forget a failed iteration: its collectives, its gradients, its unsharded parameters."""
         forget_deferred_checks()
         self.reductions.drop()
-        for state in self.states:
-            state.forget_iteration()
+        for group in self.groups:
+            group.reducer.drop_unreduced_grads()
+            group.reducer.end_backward()
+            group.reshard()
         self.callback_queued = False
         self.training_forward = False
         self.manual_active = None

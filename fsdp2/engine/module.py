@@ -212,7 +212,7 @@ class FSDPModule(GroupSettingsMethods):
                 f"reset_iter_state() was called on {type(self).__name__} ({state.label}), which is "
                 "not the root fsdp2 module; call it on the module you run forward on"
             )
-        state.ctx.reset()
+        state.reset_iteration()
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Gather these modules' parameters when this module's forward starts (replacing the
@@ -269,7 +269,7 @@ class GradientReductionHandle:
         token: that reduction, as the iteration knows it: a reset since makes ``wait()`` raise.
     """
 
-    def __init__(self, ctx: IterContext[FSDPState] | None = None, token: object = None) -> None:
+    def __init__(self, ctx: IterContext | None = None, token: object = None) -> None:
         self._ctx = ctx
         self._token = token
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch._compile import _disable_dynamo
+from torch.autograd import Variable
 
 from fsdp2.engine.agreement import check_materialized
 from fsdp2.engine.backward_done import InputHooks, hook_output
@@ -87,8 +88,10 @@ class FSDPState:
         # None: decided at lazy init (the root keeps its parameters, others reshard).
         self.requested_reshard_after_forward = reshard_after_forward
         self.reshard_after_forward = bool(reshard_after_forward)
-        self.ctx: IterContext[FSDPState] | None = None
+        self.ctx: IterContext | None = None
         self.is_root = False
+        self.root = self  # the state whose forward runs first (set at lazy init)
+        self.members: list[FSDPState] = []  # the root's: every state under it, pre-order
         # set_manual_backward_finalization: read from the root only ([Note: manual backward
         # finalization] in iteration.py).
         self.manual_finalization = False
@@ -124,7 +127,8 @@ class FSDPState:
                 f"{type(not_root.modules[0]).__name__}, but the module whose forward runs first "
                 f"is {type(self.modules[0]).__name__}, the root; call it on the root"
             )
-        ctx = IterContext(states)
+        ctx = IterContext([g for s in states for g in s.groups], self.groups)
+        self.members = states
         names = {id(m): n for top in self.modules for n, m in top.named_modules()}
         for state in states:
             state.label = module_label([names.get(id(m), "") for m in state.modules])
@@ -138,6 +142,7 @@ class FSDPState:
                         fsdp_param.fqn = f"{names[id(module)]}.{name}".lstrip(".")
             state.ctx = ctx
             state.is_root = state is self
+            state.root = self
             requested = state.requested_reshard_after_forward
             state.reshard_after_forward = (not state.is_root) if requested is None else requested
         trace("lazy_init", self.label)
@@ -155,7 +160,7 @@ class FSDPState:
         roots (``share_comm_ctx`` only checks its input): each state is its own."""
         return self
 
-    def require_ctx(self) -> IterContext[FSDPState]:
+    def require_ctx(self) -> IterContext:
         """The iteration context, which lazy init gives every state before any hook runs."""
         if self.ctx is None:
             raise AssertionError(
@@ -183,7 +188,12 @@ class FSDPState:
         # start_forward recovers from it.
         ctx = self.require_ctx()
         if self.is_root and not recompute:
-            ctx.start_forward()
+            explicit = any(
+                s.forward_prefetch is not None or s.backward_prefetch is not None
+                for s in self.members
+            )
+            if ctx.start_forward(explicit):
+                self._forget_states()
         if not self.groups:
             return args, kwargs
         trace("pre_forward", self.label)
@@ -298,7 +308,7 @@ class FSDPState:
 
     def _pre_backward(self, grad: torch.Tensor) -> None:
         ctx = self.require_ctx()
-        ctx.queue_end_of_backward()
+        self._begin_backward()
         ctx.reductions.reap()
         if not self.groups or self.training_state is TrainingState.PRE_BACKWARD:
             return
@@ -319,9 +329,15 @@ class FSDPState:
         for group in self.groups:
             ctx.prefetch_before(group, coalesce, self.is_root)
 
+    def _begin_backward(self) -> None:
+        """Any hook of a backward: at the first, queue the end of backward with autograd."""
+        root = self.root
+        if self.require_ctx().begin_backward(root.manual_finalization):
+            Variable._execution_engine.queue_callback(root.end_of_backward)
+
     def _post_backward(self, group: FSDPParamGroup) -> None:
         """Every gradient of ``group`` is in; finish it if its modules' backward is done too."""
-        self.require_ctx().queue_end_of_backward()
+        self._begin_backward()
         self._finish_if_done(group)
 
     def _inputs_done(self) -> None:
@@ -341,23 +357,25 @@ class FSDPState:
         )
         self.training_state = TrainingState.POST_BACKWARD
 
-    # -- end of the iteration (called by IterContext) ---------------------------------------------
+    # -- end of the iteration (the root's) -----------------------------------------------------------
 
-    def end_backward(self) -> None:
-        """At the end of backward (``IterContext.end_of_backward``), after the last reductions
-        (which finished and resharded every group)."""
-        for group in self.groups:
-            group.reducer.end_backward()
-        self.training_state = TrainingState.IDLE
+    def end_of_backward(self) -> None:
+        """Autograd's callback at the end of a backward (queued by the first hook): the
+        iteration finishes every group (``IterContext.end_of_backward``), every state is idle."""
+        self.require_ctx().end_of_backward()
+        for state in self.members:
+            state.training_state = TrainingState.IDLE
 
-    def forget_iteration(self) -> None:
-        """At a reset (``IterContext.reset``): drop what the failed iteration left."""
-        for group in self.groups:
-            group.reducer.drop_unreduced_grads()
-            group.reducer.end_backward()
-            group.reshard()
-        self.training_state = TrainingState.IDLE
-        self._call_inputs = []
+    def reset_iteration(self) -> None:
+        """Forget a failed iteration (``reset_iter_state``): its collectives, gradients and
+        gathered parameters (``IterContext.reset``), and what each state's hooks held."""
+        self.require_ctx().reset()
+        self._forget_states()
+
+    def _forget_states(self) -> None:
+        for state in self.members:
+            state.training_state = TrainingState.IDLE
+            state._call_inputs = []
 
     def __repr__(self) -> str:
         sharded = ",".join(g.state.name for g in self.groups) or "no params"

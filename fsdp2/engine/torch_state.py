@@ -82,7 +82,7 @@ class TorchStateView(_Unsupported):
         autograd grad mode is on, which the end of backward reads as a ``create_graph``
         backward that keeps parameters gathered: run it as autograd would, without grad."""
         with torch.no_grad():
-            _context(self._fsdp_state).end_of_backward()
+            _root(self._fsdp_state).end_of_backward()
 
 
 class _ContextView(_Unsupported):
@@ -91,7 +91,7 @@ class _ContextView(_Unsupported):
 
     @property
     def all_states(self) -> list[TorchStateView]:
-        return [TorchStateView(s) for s in _context(self._fsdp_state).states]
+        return [TorchStateView(s) for s in _root(self._fsdp_state).members]
 
 
 class _GroupView(_Unsupported):
@@ -108,7 +108,12 @@ class _GroupView(_Unsupported):
         _context(self._fsdp_state).finish_group(self._group, self._group.settings.max_in_flight)
 
 
-def _context(state: FSDPState) -> IterContext[FSDPState]:
+def _context(state: FSDPState) -> IterContext:
     if state.ctx is None:
         state._lazy_init()  # never ran forward: nothing to reduce, but the calls must work
     return state.require_ctx()
+
+
+def _root(state: FSDPState) -> FSDPState:
+    _context(state)
+    return state.root
