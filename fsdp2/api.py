@@ -231,10 +231,10 @@ def _apply(
     # mesh (None: fully_shard's own) -> its parameters and their full tensors
     by_mesh: dict[DeviceMesh | None, tuple[list[FSDPParam], list[torch.Tensor]]] = {None: ([], [])}
     for param, (fqn, places) in slots.items():
-        fsdp_param = FSDPParam(param, places, fqn, label, kept[param])
-        mesh = None
+        dim, mesh = 0, None
         if shard_placement_fn is not None:
-            fsdp_param.dim, mesh = _shard_choice(shard_placement_fn(param), param, fqn, info)
+            dim, mesh = _shard_choice(shard_placement_fn(param), param, fqn, info)
+        fsdp_param = FSDPParam(param, places, fqn, label, kept[param], dim)
         full = param._local_tensor if isinstance(param, DTensor) else param  # TP: local piece
         full = full.detach() if full.device.type == "meta" else full.detach().to(device)
         params, fulls = by_mesh.setdefault(mesh, ([], []))

@@ -148,3 +148,62 @@ def test_the_check_sees_a_cycle_and_an_upward_import() -> None:
     edges["fsdp2.api"] = set()
     assert cycles(edges) == [["fsdp2.engine.a", "fsdp2.engine.b"]]
     assert layer("fsdp2.api") > layer("fsdp2.engine.b")
+
+
+def _fields_of(path: Path, class_name: str) -> set[str]:
+    """The attributes a class's own methods assign on ``self``."""
+    tree = ast.parse(path.read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name)
+    return {
+        target.attr
+        for node in ast.walk(cls)
+        for target in _targets(node)
+        if isinstance(target.value, ast.Name) and target.value.id == "self"
+    }
+
+
+def _targets(node: ast.AST) -> list[ast.Attribute]:
+    targets: list[ast.expr] = []
+    if isinstance(node, ast.Assign):  # a, b.c = ...: each element of a tuple target
+        targets = [
+            t
+            for tgt in node.targets
+            for t in (tgt.elts if isinstance(tgt, (ast.Tuple, ast.List)) else [tgt])
+        ]
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        targets = [node.target]
+    return [t for t in targets if isinstance(t, ast.Attribute)]
+
+
+def assignments_in(source: str, fields: set[str], var_names: set[str]) -> list[int]:
+    """The lines of ``source`` that assign one of ``fields`` on a variable named as the class's
+    objects are (``fsdp_param``, ``p``, ...)."""
+    return [
+        node.lineno
+        for node in ast.walk(ast.parse(source))
+        for target in _targets(node)
+        if isinstance(target.value, ast.Name)
+        and target.value.id in var_names
+        and target.attr in fields
+    ]
+
+
+FSDP_PARAM_NAMES = {"fsdp_param", "p", "param", "fp"}
+
+
+def test_fsdp_param_fields_assigned_only_in_param_py() -> None:
+    """``FSDPParam`` owns its fields: other files call its methods (``adopt``, ``rename``,
+    ``set_param_dtype``, ...) instead of writing them, so that each field has one writer. Its
+    records (``place``: the layout's; ``ext``: packing's) are written by their owners."""
+    owner = PACKAGE / "engine" / "param.py"
+    fields = _fields_of(owner, "FSDPParam")
+    assert {"sharded_param", "fqn", "param_dtype", "dtype", "place"} <= fields
+    found = [
+        f"{path.relative_to(PACKAGE)}:{line}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path != owner
+        for line in assignments_in(path.read_text(), fields, FSDP_PARAM_NAMES)
+    ]
+    assert found == []
+    # The check sees one (the assignment adopt() replaced in changes.py).
+    assert assignments_in("fsdp_param.sharded_param = new\n", fields, FSDP_PARAM_NAMES) == [1]

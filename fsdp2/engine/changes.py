@@ -109,8 +109,7 @@ def _adopt_replaced(group: FSDPParamGroup) -> None:
                 "after a backward that reduces them"
             )
     for fsdp_param, new in found:
-        new._fsdp2_owner = fsdp_param.owner  # type: ignore[attr-defined]
-        fsdp_param.sharded_param = new
+        fsdp_param.adopt(new)
     group.repack(force=True)
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn as nn
 
 from fsdp2.engine import packing
 from fsdp2.engine.mesh import MeshInfo
@@ -128,9 +127,7 @@ class FlatLayout:
         # they are made at the first gather, so that sharding (or re-packing after to_empty) a
         # model never allocates its unsharded size. Until then, empty stand-ins.
         for fsdp_param in self.params:
-            fsdp_param.unsharded_param = nn.Parameter(
-                torch.empty(0), requires_grad=fsdp_param.requires_grad
-            )
+            fsdp_param.reset_unsharded()
             packing.forget(fsdp_param)  # extension parameters: built by their post hook
         # 1-D, param-major, every plain parameter padded to shard_size * chunk (or the shard).
         self.unsharded_flat: torch.Tensor | None = self.sharded_flat if self.alias else None
@@ -165,9 +162,8 @@ class FlatLayout:
         """Each parameter's gather dtype, the group's buffer and reduce dtypes, and the chunks'
         offsets in those buffers (elements of the one dtype, or bytes: [Note: mixed dtypes])."""
         mp = self.mp_policy
-        for p in self.params:  # mixed precision leaves non-floating dtypes alone
-            floating = p.dtype.is_floating_point
-            p.param_dtype = p.kept_dtype or (mp.param_dtype if floating else None) or p.dtype
+        for p in self.params:
+            p.set_param_dtype(mp.param_dtype)
         dtypes = {p.dtype for p in self.params}
         # Several dtypes stored, or gathered (param_dtype_override_fn): byte-packed buffers.
         self.mixed = len(dtypes) > 1 or len({p.param_dtype for p in self.params}) > 1
@@ -240,7 +236,7 @@ class FlatLayout:
         """Re-pack the (resharded) sharded parameters into fresh buffers, adopting their new
         device and dtype."""
         for fsdp_param in self.params:
-            fsdp_param.dtype = fsdp_param.sharded_param.dtype
+            fsdp_param.follow_dtype()
         self.set_dtypes()
         devices = [_local_device(p) for p in self.params]
         # Some still on meta (only others were replaced): nothing to keep until to_empty().

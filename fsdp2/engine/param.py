@@ -70,6 +70,7 @@ class FSDPParam:
         fqn: str,
         owner: str,
         kept_dtype: torch.dtype | None = None,
+        dim: int = 0,
     ) -> None:
         self.fqn = fqn
         # Gathered in this dtype whatever the mixed precision policy says (its
@@ -93,7 +94,7 @@ class FSDPParam:
         self.dtype = param.dtype
         self.requires_grad = param.requires_grad
         self.numel = math.prod(self.shape)
-        self.dim = 0  # the dim fsdp2 splits (shard_placement_fn may pick another)
+        self.dim = dim  # the dim fsdp2 splits (shard_placement_fn may pick another)
         # All-gather extension (see extension.py): the subclass the shard is viewed as.
         local = param._local_tensor if isinstance(param, DTensor) else param
         self.subclass = type(local) if has_extension(local) else None
@@ -276,6 +277,39 @@ class FSDPParam:
         if self.outer_spec is not None:
             view = DTensor(view, self.outer_spec, requires_grad=False)  # type: ignore[no-untyped-call]
         self.adopt_unsharded(parameter(view, self.requires_grad))
+
+    def reset_unsharded(self) -> None:
+        """An empty stand-in for the unsharded parameter, until the first gather makes the view
+        (a view needs its storage allocated when it is made)."""
+        self.unsharded_param = nn.Parameter(torch.empty(0), requires_grad=self.requires_grad)
+
+    def set_param_dtype(self, mp_param_dtype: torch.dtype | None) -> None:
+        """What the parameter is gathered and computed in: the policy's ``param_dtype`` for a
+        floating parameter, unless its override kept its own; its stored dtype otherwise (mixed
+        precision leaves non-floating dtypes alone)."""
+        floating = self.dtype.is_floating_point
+        self.param_dtype = self.kept_dtype or (mp_param_dtype if floating else None) or self.dtype
+
+    def adopt(self, new: nn.Parameter) -> None:
+        """Make ``new`` (a parameter assigned on the modules, or loaded with ``assign=True``)
+        the sharded parameter, owned by this call; the group re-packs it next."""
+        new._fsdp2_owner = self.owner  # type: ignore[attr-defined]
+        self.sharded_param = new
+
+    def follow_dtype(self) -> None:
+        """Store what the sharded parameter now holds (``.to(dtype)``, an adopted parameter):
+        read by the re-pack that follows."""
+        self.dtype = self.sharded_param.dtype
+
+    def rename(self, fqn: str) -> None:
+        """Name the parameter under the root (at lazy init): at ``fully_shard`` names were
+        relative to the call's module ("fc.weight" of which of 96 blocks?)."""
+        self.fqn = fqn
+
+    def connect(self, on_grad_ready: Callable[[torch.Tensor], None]) -> None:
+        """Call ``on_grad_ready`` (the group's reducer) once autograd accumulated the unsharded
+        parameter's gradient; set before the unsharded parameters are made."""
+        self.on_grad_ready = on_grad_ready
 
     def adopt_unsharded(self, param: nn.Parameter) -> None:
         """Make ``param`` the unsharded parameter, hooked for gradient readiness."""

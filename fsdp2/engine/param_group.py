@@ -174,7 +174,7 @@ class FSDPParamGroup:
         self.fsdp_params = self.layout.params  # in layout order
         self.reducer = GradientReducer(label, info, self.layout, self.settings)
         for fsdp_param in self.fsdp_params:  # before the unsharded parameters are made
-            fsdp_param.on_grad_ready = self.reducer.on_grad_ready
+            fsdp_param.connect(self.reducer.on_grad_ready)
         self.layout.shard(full_tensors)
         self._gather: InFlightGather | None = None
         # Reshards so far: an UnshardHandle whose group was resharded since its unshard() has

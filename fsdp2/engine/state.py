@@ -139,7 +139,7 @@ class FSDPState:
                     # the block ("fc.weight" of which of 96?), and errors from here on quote them.
                     module, name = fsdp_param.slot_modules[0]
                     if id(module) in names:
-                        fsdp_param.fqn = f"{names[id(module)]}.{name}".lstrip(".")
+                        fsdp_param.rename(f"{names[id(module)]}.{name}".lstrip("."))
             state.ctx = ctx
             state.is_root = state is self
             state.root = self

@@ -119,7 +119,7 @@ def _adopt_assigned(group: FSDPParamGroup) -> None:
                 _dtensor(fsdp_param.sharded_param)._local_tensor.copy_(current._local_tensor)
             fsdp_param.register(fsdp_param.sharded_param)
             continue
-        fsdp_param.sharded_param = current
+        fsdp_param.adopt(current)
         fsdp_param.register(current)
     group.repack()
 
