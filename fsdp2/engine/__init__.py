@@ -14,7 +14,8 @@ Read the files in the order data flows through them:
   stash), and the end of backward.
 - the gather side: ``coalesce.py`` (``Gathers``: a run of small groups in one collective),
   ``param_group.py`` (one call's parameters and their unshard/reshard state machine),
-  ``layout.py`` and ``param.py`` (each parameter's place in the group's flat buffers).
+  ``layout.py`` and ``param.py`` (each parameter's place in the group's flat buffers;
+  ``chunk.py``: which of its rows this rank holds).
 - the gradient side: ``reduce.py`` (a group's reduce-scatter), ``coalesce_reduce.py``
   (``Reductions``: the backward's reduce-scatters, held for coalescing, in flight, reduced),
   ``grads.py`` (a gradient on its way in, and handed to the sharded parameter).

@@ -113,7 +113,7 @@ def input_nbytes(reducer: GradientReducer) -> int:
     """The bytes of a joinable group's rank-major input, known before it is built: every
     trainable parameter's chunk, and one flag each unless unused ones get zeros anyway."""
     layout = reducer.layout
-    numel = sum(p.chunk_numel for p in layout.trainable)
+    numel = sum(p.chunk.numel for p in layout.trainable)
     if not reducer.settings.reduce_scatter_unused:
         numel += len(layout.trainable)
     return reducer.shard_size * numel * layout.reduce_dtype.itemsize

@@ -64,7 +64,7 @@ def local_grad(fsdp_param: FSDPParam, grad: torch.Tensor) -> torch.Tensor:
             f"{fsdp_param.fqn}: expected a DTensor gradient only for a DTensor parameter, "
             "found one for a plain parameter"
         )
-    dp_axes = fsdp_param.dp_axes
+    dp_axes = fsdp_param.chunk.dp_axes
     target = tuple(
         have if axis in dp_axes and isinstance(have, Partial) else want
         for axis, (have, want) in enumerate(zip(grad.placements, spec.placements, strict=True))

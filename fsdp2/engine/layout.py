@@ -188,7 +188,7 @@ class FlatLayout:
         self._cast_each = self.mixed and any(p.param_dtype != p.dtype for p in self.plain_params)
         offset = 0
         for p in self.plain_params:
-            units = self._units(p.chunk_numel, p.param_dtype)
+            units = self._units(p.chunk.numel, p.param_dtype)
             p.place.gather_offset, p.place.gather_units = offset, units
             offset += units
         self.plain_numel = offset
@@ -200,7 +200,7 @@ class FlatLayout:
             if self.mixed and (self._cast_each or p.extension):
                 offset = -(-offset // 16) * 16
             p.place.offset = offset
-            offset += self._units(p.chunk_numel, p.dtype)
+            offset += self._units(p.chunk.numel, p.dtype)
         self.shard_numel = offset
         # Shard(dim > 0) chunks are strided slabs of the full parameter: no single split-copy.
         self._split_copy = all(not p.dim for p in self.plain_params)
@@ -303,10 +303,10 @@ class FlatLayout:
         send = torch.empty(self.plain_numel, dtype=torch.uint8, device=self.device)
         flat = self.sharded_flat
         dst = [
-            typed(send, p.place.gather_offset, p.chunk_numel, p.param_dtype)
+            typed(send, p.place.gather_offset, p.chunk.numel, p.param_dtype)
             for p in self.plain_params
         ]
-        src = [typed(flat, p.place.offset, p.chunk_numel, p.dtype) for p in self.plain_params]
+        src = [typed(flat, p.place.offset, p.chunk.numel, p.dtype) for p in self.plain_params]
         torch._foreach_copy_(dst, src, non_blocking=True)
         return send
 
@@ -350,7 +350,7 @@ class FlatLayout:
                 src.append(piece)
                 continue
             scale = p.param_dtype.itemsize if target.dtype != p.param_dtype else 1
-            for whole, chunk in p.rank_blocks(target.reshape(-1)[: p.numel * scale], piece):
+            for whole, chunk in p.chunk.rank_blocks(target.reshape(-1)[: p.numel * scale], piece):
                 dst.append(whole)
                 src.append(chunk)
         torch._foreach_copy_(dst, src)
@@ -363,7 +363,7 @@ class FlatLayout:
             if p.dim:  # the full parameter, not rank-major chunks: cut them out
                 scale = p.param_dtype.itemsize if view.dtype != p.param_dtype else 1
                 full, view = view.reshape(-1)[: p.numel * scale], view.new_zeros(view.shape)
-                for whole, chunk in p.rank_blocks(full, view):
+                for whole, chunk in p.chunk.rank_blocks(full, view):
                     chunk.copy_(whole)
             parts.append(view[lo:hi])
         return torch.cat(parts, dim=1).view(-1)

@@ -101,7 +101,7 @@ def shard_mesh(fsdp_param: FSDPParam, info: MeshInfo) -> DeviceMesh:
 def _pad_rows(fsdp_param: FSDPParam, tensor: torch.Tensor) -> torch.Tensor:
     """An input that follows the shard's rows, padded with zero rows to the chunk every rank
     sends, where dim 0 does not split evenly (a hook may also pad it itself, from outer_size)."""
-    rows, chunk = fsdp_param.local_shape[:1], fsdp_param.chunk_rows
+    rows, chunk = fsdp_param.chunk.local_shape[:1], fsdp_param.chunk.rows
     if not rows or tensor.dim() == 0 or tensor.shape[0] != rows[0] or rows[0] == chunk:
         return tensor
     padded = tensor.new_zeros(chunk, *tensor.shape[1:])

@@ -7,12 +7,8 @@ that exists only inside fsdp2's buffers, never in a tensor a user sees. A 0-d pa
 cut: every rank keeps the whole scalar (``Replicate()``) and contributes it as a one-element chunk,
 so it still rides in the group's single collective.
 
-[Note: sharding another dim]
-With ``Shard(d)``, ``d > 0``, rank ``r``'s rows are a strided slab of the contiguous full
-parameter, not a slice of it: seen as ``(A, rows, X)`` (``A``/``X`` the products of the dims
-before/after ``d``), rank ``r`` holds ``[:, r*c : r*c + n_r]``. Ranks ``0..k-1`` hold ``c`` rows
-each (``k = rows // c``) and rank ``k`` the rest, so two strided copies (``rank_blocks``) move
-every rank's chunk between the rank-major buffers and the full parameter.
+Which rows each rank holds, and how they move between a full tensor and the rank-major
+buffers, is ``chunk.py``'s (``FSDPParam.chunk``).
 """
 
 from __future__ import annotations
@@ -25,18 +21,17 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
-from torch.distributed.tensor import DTensor, Replicate, Shard, _dtensor_spec
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor import DTensor, _dtensor_spec
 from torch.utils import dlpack
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from fsdp2.engine.chunk import Chunk, chunk_of, piece_sizes
 from fsdp2.engine.extension import ExtensionState, contiguous_strides, has_extension
-from fsdp2.engine.mesh import MeshInfo, sharded_layout
-from fsdp2.engine.nested import dp_rows_mismatch, piece_sizes
+from fsdp2.engine.mesh import MeshInfo
 from fsdp2.engine.releases import CLEAR_NATIVE_DTENSOR_CACHE
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
+    pass
 
 __all__ = ["BufferPlace", "FSDPParam", "typed"]
 
@@ -112,69 +107,17 @@ class FSDPParam:
         self.unsharded_param: nn.Parameter  # plain tensor viewing the unsharded buffer
         self.grad_node: torch.autograd.graph.Node | None = None  # AccumulateGrad, kept alive
         self._hooked: nn.Parameter | None = None  # the unsharded parameter given on_grad_ready
-        # This rank's chunk, fixed by set_chunk (the layout's first step: see there).
-        self.dp_axes: frozenset[int] = frozenset()
-        self.mesh: DeviceMesh
-        self.placements: tuple[Placement, ...]
-        self.chunk_numel = 0
-        self.chunk_rows = 0
-        self.row_start = 0
-        self.local_shape: tuple[int, ...] = ()
-        self.layout_shape: tuple[int, ...] = ()
+        self.chunk: Chunk  # this rank's rows, fixed by set_chunk (the layout's first step)
         # The shard as a tensor (a view of the flat shard; a wrapper's own tensor) and, but for
         # a wrapper, that view's storage: set by init_sharded.
         self.local_tensor: torch.Tensor
         self.local_storage: torch.UntypedStorage
 
     def set_chunk(self, info: MeshInfo) -> None:
-        """Fix this rank's chunk: ``chunk_numel`` (padded, equal on all ranks) and the real part,
-        and the mesh and placements of the sharded DTensor."""
-        world, rank, dim = info.shard_size, info.shard_rank, self.dim
-        # Dims of the parameter's own mesh that are data-parallel (see reduce.local_grad).
-        self.dp_axes = info.dp_axes_on(self.outer_spec.mesh) if self.outer_spec else frozenset()
-        if len(self.shape) == 0:
-            self.mesh, self.placements = sharded_layout(
-                info, self.outer_spec, Replicate(), self.fqn
-            )
-            self.chunk_numel = 1
-            self.local_shape = ()
-            self.layout_shape = ()
-            self.row_start = self.chunk_rows = 0
-            return
-        self.mesh, self.placements = sharded_layout(info, self.outer_spec, Shard(dim), self.fqn)
-        # Errors are decided from global sizes (every rank alike), never this rank's piece.
-        size = self.global_shape[dim]
-        if len(info.shard_axes) > 1 and size % world:  # no other split of dim (sharded_layout)
-            raise NotImplementedError(
-                f"{self.fqn}: dim {dim} of size {size} does not split evenly over the {world} "
-                "ranks of the flattened data-parallel dims; uneven sizes need one shard dim"
-            )
-        if (
-            self.outer_spec is not None
-            and info.shard_axis is not None
-            and dp_rows_mismatch(
-                size, dim, tuple(self.mesh.shape), self.placements, info.shard_axis
-            )
-        ):
-            pieces = sorted(self.piece_sizes(), reverse=True)
-            raise NotImplementedError(
-                f"{self.fqn}: tensor parallelism splits dim {dim} (size {size}) into pieces of "
-                f"{pieces} rows and fsdp2 splits each again over {world} data-parallel ranks; "
-                f"DTensor's {self.placements} would place these uneven rows elsewhere. Make "
-                f"the size divisible by {world} x the tensor-parallel degree, or shard another "
-                "dim with shard_placement_fn"
-            )
-        rows = self.shape[dim]
-        rest = [size for i, size in enumerate(self.shape) if i != dim]
-        chunk_rows = -(-rows // world)
-        local_rows = min(max(rows - rank * chunk_rows, 0), chunk_rows)
-        self.chunk_numel = chunk_rows * math.prod(rest)
-        self.chunk_rows = chunk_rows
-        self.layout_shape = (rows, *rest)  # the shard dim first: traced mode gathers this order
-        local_shape = list(self.shape)
-        local_shape[dim] = local_rows
-        self.local_shape = tuple(local_shape)
-        self.row_start = min(rank * chunk_rows, rows)
+        """Fix this rank's chunk over ``info``'s shard ranks (``chunk.py``)."""
+        self.chunk = chunk_of(
+            self.shape, self.global_shape, self.dim, self.outer_spec, info, self.fqn
+        )
 
     def piece_sizes(self) -> frozenset[int]:
         """The size of the sharded dim of every rank's local piece (tensor parallelism may
@@ -186,14 +129,6 @@ class FSDPParam:
             return frozenset({size})
         return piece_sizes(size, self.dim, tuple(spec.mesh.shape), tuple(spec.placements))
 
-    def param_order(self, layout: torch.Tensor) -> torch.Tensor:
-        """A view of a tensor in layout order (sharded dim first) in the parameter's order."""
-        return layout.movedim(0, self.dim) if self.dim else layout
-
-    @property
-    def local_numel(self) -> int:
-        return math.prod(self.local_shape)
-
     def init_sharded(self, flat: torch.Tensor, info: MeshInfo, full: torch.Tensor | None) -> None:
         """Make the sharded parameter view its chunk of ``flat``, filled with this rank's rows of
         ``full``, or (``full=None``) with the current sharded parameter's values. A wrapper
@@ -201,9 +136,9 @@ class FSDPParam:
         if self.wrapper:
             local = self._wrapper_shard(flat.device, full)
         else:
-            local = own_storage(typed(flat, self.place.offset, self.local_numel, self.dtype))
+            local = own_storage(typed(flat, self.place.offset, self.chunk.local_numel, self.dtype))
             self.local_storage = local.untyped_storage()  # what in_buffer() recognises
-            local = local.view(self.local_shape)
+            local = local.view(self.chunk.local_shape)
             if self.subclass is not None:
                 local = local.as_subclass(self.subclass)  # same storage, the user's subclass
         self.local_tensor = local
@@ -224,7 +159,7 @@ class FSDPParam:
             return
         if full.device.type != "meta" and not self.wrapper:
             with torch.no_grad():
-                local.copy_(self.shard_of(full))
+                local.copy_(self.chunk.shard_of(full))
         self.sharded_param = self._new_sharded_param(local, self.requires_grad)
         self.sharded_param._fsdp2_owner = self.owner  # type: ignore[attr-defined]
         self.local_tensor = self.sharded_param._local_tensor  # type: ignore[attr-defined]
@@ -233,7 +168,9 @@ class FSDPParam:
         """``local`` wrapped as the sharded DTensor parameter, as it is: ``DTensor.from_local``
         would wrap a ``view_as`` of it, which some subclasses reject (torchao <= 0.13's NF4)."""
         meta = _dtensor_spec.TensorMeta(self.global_shape, self.stride, local.dtype)
-        spec = _dtensor_spec.DTensorSpec(self.mesh, tuple(self.placements), tensor_meta=meta)
+        spec = _dtensor_spec.DTensorSpec(
+            self.chunk.mesh, tuple(self.chunk.placements), tensor_meta=meta
+        )
         return parameter(DTensor.__new__(DTensor, local, spec, requires_grad=False), requires_grad)
 
     def _wrapper_shard(self, device: torch.device, full: torch.Tensor | None) -> torch.Tensor:
@@ -248,26 +185,12 @@ class FSDPParam:
             local: torch.Tensor = self.sharded_param._local_tensor  # type: ignore[attr-defined]
             return local
         with torch.no_grad():
-            rows = self._split_rows(full)
+            rows = self.chunk.split_rows(full)
             if rows.device != device:
                 rows = rows.to(device)
             shard = rows.new_zeros(rows.shape)
             shard.copy_(rows)
             return shard
-
-    def _split_rows(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of ``full`` as ``torch.split`` cuts them (the chunks of the layout)."""
-        if not self.shape:
-            return full
-        if not self.local_shape[self.dim]:  # fewer rows than ranks: none here
-            return full.new_zeros(self.local_shape)
-        return torch.split(full, self.chunk_rows, self.dim)[self.row_start // self.chunk_rows]
-
-    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a full (global) tensor of this parameter's shape."""
-        if not self.shape:
-            return full
-        return full.narrow(self.dim, self.row_start, self.local_shape[self.dim])
 
     def init_unsharded(self, unsharded_flat: torch.Tensor, world: int) -> None:
         """View this parameter's (padded) region of the group's param-major unsharded buffer: its
@@ -375,46 +298,9 @@ class FSDPParam:
     def local_view(self, flat: torch.Tensor, start: int) -> torch.Tensor:
         """This rank's real rows inside a rank-local buffer where the chunk begins at ``start``,
         as a tensor with a storage of its own (see ``own_storage``)."""
-        return own_storage(flat[start : start + self.local_numel]).view(self.local_shape)
-
-    def rank_blocks(
-        self, full: torch.Tensor, chunks: torch.Tensor
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Pairs of matching views that copy between ``full`` (the whole parameter, contiguous,
-        1-D) and ``chunks`` (``(W, >= chunk)``, rank-major; each rank's rows at the start of its
-        row), for ``Shard(dim > 0)``: see [Note: sharding another dim]. Both in elements of the
-        parameter, or both in bytes."""
-        if self.numel == 0:
-            return []
-        scale = full.numel() // self.numel  # the element size when given bytes, else 1
-        rows, c = self.shape[self.dim], self.chunk_rows
-        a = math.prod(self.shape[: self.dim])
-        x = math.prod(self.shape[self.dim + 1 :]) * scale
-        whole = full.view(a, rows, x)
-        k, rest = divmod(rows, c)
-        pairs = []
-        if k:
-            block = whole[:, : k * c].reshape(a, k, c * x).transpose(0, 1)
-            pairs.append((block, chunks[:k, : a * c * x].view(k, a, c * x)))
-        if rest:
-            pairs.append(
-                (whole[:, k * c :].reshape(a, rest * x), chunks[k, : a * rest * x].view(a, -1))
-            )
-        return pairs
-
-    def rank_major(self, full: torch.Tensor, world: int) -> torch.Tensor:
-        """``full`` (a tensor of the parameter's shape, e.g. its gradient) rank-major, for
-        ``torch._chunk_cat(..., dim=0, num_chunks=world)``: as is for dim 0 (it pads), a view
-        when the shard dim splits evenly, else a zero-padded ``(W, chunk)`` copy."""
-        if not self.dim:
-            return full
-        if self.numel and self.shape[self.dim] == world * self.chunk_rows:
-            # Even: rank r's rows are [:, r] of (A, W, rest), a strided view, no copy.
-            return full.reshape(math.prod(self.shape[: self.dim]), world, -1).transpose(0, 1)
-        chunks = full.new_zeros(world, self.chunk_numel)
-        for whole, chunk in self.rank_blocks(full.reshape(-1), chunks):
-            chunk.copy_(whole)
-        return chunks
+        return own_storage(flat[start : start + self.chunk.local_numel]).view(
+            self.chunk.local_shape
+        )
 
     def in_buffer(self) -> bool:
         """Whether the sharded parameter's local tensor is still the one ``init_sharded`` made
@@ -439,7 +325,7 @@ class FSDPParam:
         return DTensor.__new__(DTensor, local, spec, requires_grad=False)
 
     def __repr__(self) -> str:
-        return f"FSDPParam({self.fqn}, shape={tuple(self.shape)}, chunk={self.chunk_numel})"
+        return f"FSDPParam({self.fqn}, shape={tuple(self.shape)}, dim={self.dim})"
 
 
 def parameter(tensor: torch.Tensor, requires_grad: bool) -> nn.Parameter:

@@ -304,7 +304,7 @@ class GradientReducer:
             out = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0]
             out = out.reshape(-1).to(self.layout.reduce_dtype)
             return PendingReduce(self, Pending(None), out, params, None, use_sum, used=used)
-        numel = sum(p.chunk_numel for p in params) + (len(used) if used is not None else 0)
+        numel = sum(p.chunk.numel for p in params) + (len(used) if used is not None else 0)
         comm = self.settings.custom_reduce_scatter
         size, dtype, device = (self.shard_size, numel), self.layout.reduce_dtype, self.layout.device
         if comm is not None:
@@ -376,7 +376,7 @@ class GradientReducer:
         # A scalar is replicated: every rank's chunk carries it, so each gets the reduced value.
         if grad.dim() == 0:
             return grad.reshape(1).expand(self.shard_size)
-        return fsdp_param.rank_major(grad, self.shard_size)
+        return fsdp_param.chunk.rank_major(grad, self.shard_size)
 
     def finish_communicates(self) -> bool:
         """Whether ``finish_reduce`` may issue collectives (HSDP's all-reduce, the user's hook)."""
@@ -420,7 +420,7 @@ class GradientReducer:
             shards.append(
                 (fsdp_param, shard.to(fsdp_param.dtype) if self.layout.mixed else shard, flag)
             )
-            start += fsdp_param.chunk_numel
+            start += fsdp_param.chunk.numel
         return shards
 
     def own_shards(self, params: list[FSDPParam], grads: list[torch.Tensor]) -> list[Reduced]:
@@ -430,8 +430,8 @@ class GradientReducer:
         for p, g in zip(params, grads, strict=True):
             # Usually already the shard's shape, dtype and device: skip the calls (per step,
             # per parameter, they were the largest single cost of a one-rank backward).
-            if g.shape != p.local_shape:
-                g = g.reshape(p.local_shape)
+            if g.shape != p.chunk.local_shape:
+                g = g.reshape(p.chunk.local_shape)
             if g.dtype != p.dtype or g.device != device:
                 g = g.to(device, p.dtype)
             shards.append((p, g, None))

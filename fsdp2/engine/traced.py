@@ -156,7 +156,7 @@ def _gather(group: FSDPParamGroup, *shards: torch.Tensor) -> list[torch.Tensor]:
         if fsdp_param.dim:
             local = local.movedim(fsdp_param.dim, 0)
         local = local.reshape(-1)
-        padding = fsdp_param.chunk_numel - local.numel()
+        padding = fsdp_param.chunk.numel - local.numel()
         pieces.append(F.pad(local, (0, padding)) if padding else local)
     flat = torch.cat(pieces)  # 1-D, this rank's padded shard of every parameter
     shard_group = group.info.shard_group
@@ -174,15 +174,15 @@ def _gather(group: FSDPParamGroup, *shards: torch.Tensor) -> list[torch.Tensor]:
         group.layout.param_dtype,
         group.layout.reduce_dtype,
     )
-    chunks = [p.chunk_numel for p in group.fsdp_params]
+    chunks = [p.chunk.numel for p in group.fsdp_params]
     columns = gathered.view(group.shard_size, group.layout.shard_numel).split(chunks, dim=1)
     fulls = []
     for fsdp_param, column in zip(group.fsdp_params, columns, strict=True):
         if not fsdp_param.shape:  # replicated: every rank sent the same value
             fulls.append(_OneOfReplicas.apply(column.reshape(-1)))  # type: ignore[no-untyped-call]
             continue
-        full = fsdp_param.param_order(
-            column.reshape(-1)[: fsdp_param.numel].view(fsdp_param.layout_shape)
+        full = fsdp_param.chunk.param_order(
+            column.reshape(-1)[: fsdp_param.numel].view(fsdp_param.chunk.layout_shape)
         )
         spec = fsdp_param.outer_spec
         if spec is not None:  # tensor parallel: the gathered tensor is this rank's TP piece
@@ -198,7 +198,7 @@ def _gather(group: FSDPParamGroup, *shards: torch.Tensor) -> list[torch.Tensor]:
                 # local_grad); normalising it to Replicate here would all-reduce it first.
                 # (A Replicate gradient there is split evenly, DTensor's rule.)
                 grad_placements=tuple(
-                    Partial() if axis in fsdp_param.dp_axes else p
+                    Partial() if axis in fsdp_param.chunk.dp_axes else p
                     for axis, p in enumerate(spec.placements)
                 ),
             )

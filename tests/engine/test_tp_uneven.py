@@ -108,7 +108,7 @@ def chunks(t: torch.Tensor, n: int) -> list[list[int]]:
 def test_uneven_nesting_matches_dtensor() -> None:
     """fsdp2's rows (each tp piece cut in ceil(rows / dp) chunks) against DTensor's own split
     for (_StridedShard, Shard): where they differ, fully_shard must refuse on every rank."""
-    from fsdp2.engine.nested import dp_rows_mismatch
+    from fsdp2.engine.chunk import dp_rows_mismatch
 
     mismatches = 0
     for rows in range(1, 40):

@@ -129,7 +129,7 @@ def _facts(group: FSDPParamGroup, label: str, is_root: bool, reshard: bool) -> G
     gather_unit = 1 if group.layout.mixed else group.layout.param_dtype.itemsize
     reduce_unit = group.layout.reduce_dtype.itemsize
     trainable = group.layout.trainable
-    chunk_numel = sum(p.chunk_numel for p in trainable)
+    chunk_numel = sum(p.chunk.numel for p in trainable)
     # Each rank's chunk also carries a flag per parameter: [Note: gradients on some ranks only]
     flags = (
         len(trainable)
@@ -138,7 +138,7 @@ def _facts(group: FSDPParamGroup, label: str, is_root: bool, reshard: bool) -> G
     )
     flag_bytes = 0
     if group.layout.mixed:  # each reduced shard is cast to its own dtype: real rows only
-        grad_bytes = sum(p.local_numel * p.dtype.itemsize for p in trainable)
+        grad_bytes = sum(p.chunk.local_numel * p.dtype.itemsize for p in trainable)
     else:  # the reduce-scatter's output (one buffer, padding included) in the parameters' dtype
         grad_bytes = chunk_numel * group.layout.dtype.itemsize
         # Its flags stay allocated with it (the gradients view that buffer), unless a cast or a
@@ -159,19 +159,19 @@ def _facts(group: FSDPParamGroup, label: str, is_root: bool, reshard: bool) -> G
         reshard_after_forward=reshard,
         partial_k=partial.size() if partial is not None else 0,
         sharded_bytes=group.layout.shard_numel * unit,
-        param_bytes=sum(p.local_numel * p.dtype.itemsize for p in group.fsdp_params),
+        param_bytes=sum(p.chunk.local_numel * p.dtype.itemsize for p in group.fsdp_params),
         param_last_bytes=sum(_last_rank_bytes(p, world) for p in group.fsdp_params),
         unsharded_bytes=0 if group.layout.alias else world * group.layout.plain_numel * gather_unit,
         gather_in_bytes=group.layout.plain_numel * gather_unit,
         grad_bytes=grad_bytes,
         grad_flag_bytes=flag_bytes,
-        grad_real_bytes=sum(p.local_numel * p.dtype.itemsize for p in trainable),
+        grad_real_bytes=sum(p.chunk.local_numel * p.dtype.itemsize for p in trainable),
         grad_last_bytes=sum(_last_rank_bytes(p, world) for p in trainable),
         unsharded_grad_bytes=sum(p.numel * p.param_dtype.itemsize for p in trainable),
         reduce_in_bytes=world * (chunk_numel + flags) * reduce_unit if world > 1 else 0,
         reduce_out_bytes=(chunk_numel + flags) * reduce_unit if world > 1 or replicas else 0,
-        trainable_local_numel=sum(p.local_numel for p in trainable),
-        trainable_local_bytes=sum(p.local_numel * p.dtype.itemsize for p in trainable),
+        trainable_local_numel=sum(p.chunk.local_numel for p in trainable),
+        trainable_local_bytes=sum(p.chunk.local_numel * p.dtype.itemsize for p in trainable),
     )
 
 
@@ -180,5 +180,5 @@ def _last_rank_bytes(p: FSDPParam, world: int) -> int:
     if not p.shape:
         return p.dtype.itemsize
     rows = p.shape[p.dim]
-    last_rows = min(max(rows - (world - 1) * p.chunk_rows, 0), p.chunk_rows)
+    last_rows = min(max(rows - (world - 1) * p.chunk.rows, 0), p.chunk.rows)
     return last_rows * (p.numel // rows if rows else 0) * p.dtype.itemsize
