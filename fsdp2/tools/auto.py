@@ -5,31 +5,7 @@ transformer block, then the root). `auto_shard` writes it from the module struct
 decides the same on every rank and works on the meta device. It returns the calls it made as an
 `AutoShardResult`, which prints as a table and replays onto a fresh copy of the model.
 
-How the blocks are chosen (without ``block_types``):
-- A *run* is the children of one container (``ModuleList``, ``Sequential``, ``ModuleDict``) that
-  share a class: at least two of them, or the single child of a ``ModuleList``/``ModuleDict``
-  (a one-layer configuration of a layer list).
-- Runs are taken largest first (by parameter count). A run inside a block already taken is part
-  of that block (experts inside a layer); a run smaller than one block of the largest run is not
-  worth its own all-gathers and stays with its parent. So a decoder gets its layers, an
-  encoder-decoder both layer lists, and ``LlamaForCausalLM`` its ``model.layers``.
-
-A block that shares a parameter (tied weights) or a submodule with anything outside it is not
-sharded on its own: its parameters stay with the nearest sharded ancestor, which holds every use,
-so a tied parameter always lives in exactly one group.
-
-Small blocks are grouped (``min_group_bytes``, default 256 KiB gathered): each group costs an
-all-gather and a reduce-scatter per step whose time, below a few hundred KiB, is the backend's
-latency (~0.2-0.5 ms on gloo, tens of us on NCCL) whatever the size. A block's size is what its
-all-gather moves: its parameters in the ``mp_policy``'s ``param_dtype`` when the policy passed
-sets one (floating-point parameters only, as ``fully_shard`` casts), else in their own dtype; so
-bf16 gathers count half the bytes of the fp32 parameters stored. So a block smaller than
-``min_group_bytes`` shares one ``fully_shard([...])`` call with the blocks after it in its run
-(consecutive siblings of one class, none skipped between them), until the call holds at least
-``min_group_bytes``; a block that large is sharded alone, as without grouping. A list group is
-gathered once, at its first member's forward, and resharded after its last member's (any order
-is correct; the registration order, the usual execution order, keeps the gathered bytes short
-lived), so the memory it adds is under twice ``min_group_bytes``.
+How the blocks are chosen, and grouped, is ``blocks.py``'s.
 """
 
 from __future__ import annotations
@@ -38,17 +14,23 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from fsdp2.api import fully_shard as fsdp2_fully_shard
 from fsdp2.engine.state import state_of
+from fsdp2.tools.blocks import (
+    blocks_of_types,
+    claimed,
+    gather_dtype_of,
+    gathered_bytes,
+    grouped,
+    repeated_blocks,
+    submodule,
+    untied,
+)
 
-_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
-# Module classes fully_shard cannot take (no forward to hook): never blocks.
-_NOT_BLOCKS = (nn.ModuleList, nn.ModuleDict)
 # Below this many bytes an all-gather's time is its latency (gloo at 2 ranks: 0.19 ms at 64 B,
 # 0.22 ms at 256 KiB, 0.74 ms at 1 MiB; NCCL's knee is higher, ~1 MiB): see docs/performance.md.
 DEFAULT_MIN_GROUP_BYTES = 256 * 1024
@@ -57,8 +39,8 @@ BlockTypes = Sequence[type[nn.Module] | str] | set[type[nn.Module] | str]
 
 @dataclass(frozen=True)
 class ShardCall:
-    """One ``fully_shard(model.get_submodule(fqn), **kwargs)`` call, or for several modules one
-    ``fully_shard([model.get_submodule(f) for f in fqns], **kwargs)`` call (one group)."""
+    """One ``fully_shard(model.getsubmodule(fqn), **kwargs)`` call, or for several modules one
+    ``fully_shard([model.getsubmodule(f) for f in fqns], **kwargs)`` call (one group)."""
 
     fqns: tuple[str, ...]
     """The modules' names in the model ("" for the root): one, or a group's, in order."""
@@ -97,7 +79,7 @@ class AutoShardResult:
 
     def __iter__(self) -> Iterator[tuple[str | list[str], dict[str, Any]]]:
         """(target, kwargs) per call, the target an fqn or, for a group, a list of fqns:
-        ``fully_shard(m.get_submodule(t) if isinstance(t, str) else [m.get_submodule(f) for f
+        ``fully_shard(m.getsubmodule(t) if isinstance(t, str) else [m.getsubmodule(f) for f
         in t], **kw)``."""
         return iter([(c.target, dict(c.kwargs)) for c in self.calls])
 
@@ -106,7 +88,7 @@ class AutoShardResult:
         whose implementation to call (e.g. torch's, to compare); fsdp2's by default."""
         shard = fsdp2_fully_shard if fully_shard is None else fully_shard
         # All found before any call.
-        targets = [[_submodule(model, fqn) for fqn in c.fqns] for c in self.calls]
+        targets = [[submodule(model, fqn) for fqn in c.fqns] for c in self.calls]
         for modules, call in zip(targets, self.calls, strict=True):
             shard(modules[0] if len(modules) == 1 else modules, **call.kwargs)
 
@@ -137,7 +119,7 @@ class AutoShardResult:
             return []
         sizes = [b for c in groups for b in c.nbytes]
         plural = "s" if len(groups) > 1 else ""
-        dtype = _gather_dtype(self.common)
+        dtype = gather_dtype_of(self.common)
         unit = "bytes gathered" + (f" in {str(dtype).removeprefix('torch.')}" if dtype else "")
         return [
             f"grouped: {len(sizes)} blocks under min_group_bytes={self.min_group_bytes:,} "
@@ -207,22 +189,22 @@ def plan_auto_shard(
     if mesh is not None:
         common = {"mesh": mesh, **common}
     if block_types is None:
-        candidates = _repeated_blocks(model)
+        candidates = repeated_blocks(model)
     else:
-        candidates = _blocks_of_types(model, _check_block_types(block_types))
-    blocks, skipped = _untied(model, candidates)
-    dtype = _gather_dtype(common)
-    targets = [*_grouped(model, blocks, min_group_bytes or 0, dtype), ("",)]
+        candidates = blocks_of_types(model, _check_block_types(block_types))
+    blocks, skipped = untied(model, candidates)
+    dtype = gather_dtype_of(common)
+    targets = [*grouped(model, blocks, min_group_bytes or 0, dtype), ("",)]
     calls_kwargs = [dict(common) for _ in targets]
     if "reshard_after_forward" not in common and len(targets) > 1:
         for kwargs in calls_kwargs[:-1]:
             kwargs["reshard_after_forward"] = True
         # The last block's backward runs first: resharding it would gather it right back.
         calls_kwargs[-2]["reshard_after_forward"] = False
-    claims = _claimed(model, [fqn for target in targets for fqn in target])
+    claims = claimed(model, [fqn for target in targets for fqn in target])
     calls = []
     for fqns, kwargs in zip(targets, calls_kwargs, strict=True):
-        nbytes = tuple(_nbytes(claims[fqn], dtype) for fqn in fqns)
+        nbytes = tuple(gathered_bytes(claims[fqn], dtype) for fqn in fqns)
         calls.append(
             ShardCall(fqns, kwargs, sum(p.numel() for f in fqns for p in claims[f]), nbytes)
         )
@@ -292,190 +274,3 @@ def _check_block_types(block_types: BlockTypes) -> tuple[tuple[type, ...], froze
 # ---------------------------------------------------------------------------------------------
 # Choosing the blocks
 # ---------------------------------------------------------------------------------------------
-
-
-def _numel(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
-def _inside(fqn: str, ancestor: str) -> bool:
-    """``fqn`` names ``ancestor`` or a module below it."""
-    return ancestor == "" or fqn == ancestor or fqn.startswith(ancestor + ".")
-
-
-def _runs(model: nn.Module) -> list[list[str]]:
-    """Each container's children grouped by class: the runs (child FQNs) that may be blocks."""
-    runs = []
-    for fqn, container in model.named_modules():
-        if not isinstance(container, _CONTAINERS):
-            continue
-        by_class: dict[type, list[str]] = {}
-        for name, child in container.named_children():
-            if not isinstance(child, _NOT_BLOCKS) and _numel(child) > 0:
-                by_class.setdefault(type(child), []).append(f"{fqn}.{name}" if fqn else name)
-        for children in by_class.values():
-            single_layer_list = isinstance(container, _NOT_BLOCKS) and len(container) == 1
-            if len(children) >= 2 or single_layer_list:
-                runs.append(children)
-    return runs
-
-
-def _repeated_blocks(model: nn.Module) -> list[str]:
-    """The largest runs' blocks, in module order."""
-    sizes = {tuple(run): sum(_numel(model.get_submodule(f)) for f in run) for run in _runs(model)}
-    # Largest first; on a tie the outer run (shorter names) first, so it takes the inner one.
-    order = sorted(sizes, key=lambda run: (-sizes[run], run[0].count(".")))
-    chosen: list[str] = []
-    for run in order:
-        if sizes[run] < sizes[order[0]] / len(order[0]):
-            break  # smaller than one block of the largest run
-        if not any(_inside(run[0], block) for block in chosen):
-            chosen.extend(run)
-    position = {fqn: i for i, (fqn, _) in enumerate(model.named_modules())}
-    return sorted(chosen, key=position.__getitem__)
-
-
-def _blocks_of_types(
-    model: nn.Module, block_types: tuple[tuple[type, ...], frozenset[str]]
-) -> list[str]:
-    """Every module (not the root) of one of ``block_types``, children before parents."""
-    classes, names = block_types
-    matches = [
-        fqn
-        for fqn, m in model.named_modules()
-        if fqn and (isinstance(m, classes) or type(m).__name__ in names)
-    ]
-    if not matches:
-        wanted = ", ".join([c.__name__ for c in classes] + sorted(names))
-        raise ValueError(
-            f"auto_shard: block_types ({wanted}) match no submodule of "
-            f"{type(model).__name__}; pass the class of its repeated blocks (e.g. "
-            "block_types={LlamaDecoderLayer}), or leave block_types out to find them"
-        )
-    return _post_order(matches, model)
-
-
-def _post_order(fqns: list[str], model: nn.Module) -> list[str]:
-    """``fqns`` (in module order) reordered so that each comes after every one inside it; those
-    without parameters dropped (a group of nothing)."""
-    out: list[str] = []
-    pending: list[str] = []  # open ancestors, outermost first
-    for fqn in fqns:
-        while pending and not _inside(fqn, pending[-1]):
-            out.append(pending.pop())
-        pending.append(fqn)
-    out.extend(reversed(pending))
-    return [f for f in out if _numel(model.get_submodule(f)) > 0]
-
-
-def _untied(model: nn.Module, blocks: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
-    """``blocks`` without those sharing a parameter with a module outside them."""
-    owners: dict[int, list[str]] = {}  # parameter -> every "module.name" registering it
-    for mod_fqn, module in model.named_modules(remove_duplicate=False):
-        for name, p in module.named_parameters(recurse=False):
-            owners.setdefault(id(p), []).append(f"{mod_fqn}.{name}" if mod_fqn else name)
-    kept, skipped = [], []
-    for block in blocks:
-        outside = next(
-            (
-                (inner, other)
-                for names in owners.values()
-                for inner in names
-                if _inside(inner, block)
-                for other in names
-                if not _inside(other, block)
-            ),
-            None,
-        )
-        if outside is None:
-            kept.append(block)
-        else:
-            why = f"{outside[0]} is also {outside[1]}: it goes to their common ancestor's group"
-            skipped.append((block, why))
-    return kept, skipped
-
-
-def _claimed(model: nn.Module, fqns: list[str]) -> dict[str, list[nn.Parameter]]:
-    """The parameters each module claims, in call order (the first call to reach one owns it)."""
-    claimed: set[int] = set()
-    out = {}
-    for fqn in fqns:
-        params = [p for p in model.get_submodule(fqn).parameters() if id(p) not in claimed]
-        claimed.update(id(p) for p in params)
-        out[fqn] = params
-    return out
-
-
-def _gather_dtype(kwargs: dict[str, Any]) -> torch.dtype | None:
-    """The dtype ``fully_shard`` gathers floating-point parameters in: the ``mp_policy``'s
-    ``param_dtype`` (fsdp2's or torch's policy), None when it sets none."""
-    dtype = getattr(kwargs.get("mp_policy"), "param_dtype", None)
-    return dtype if isinstance(dtype, torch.dtype) else None
-
-
-def _nbytes(params: list[nn.Parameter], gather_dtype: torch.dtype | None) -> int:
-    """Bytes these parameters' all-gather moves (floating ones cast to ``gather_dtype``)."""
-    return sum(
-        p.numel()
-        * (gather_dtype.itemsize if gather_dtype and p.is_floating_point() else p.element_size())
-        for p in params
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# Grouping small blocks
-# ---------------------------------------------------------------------------------------------
-
-
-def _run_position(model: nn.Module, fqn: str) -> tuple[str, type, int]:
-    """(parent, class, index among the parent's children of that class): two blocks follow
-    each other in one run when the first two agree and the indices are consecutive."""
-    parent, _, name = fqn.rpartition(".")
-    module = model.get_submodule(fqn)
-    siblings = [
-        n
-        for n, child in model.get_submodule(parent).named_children()
-        if type(child) is type(module)
-    ]
-    return parent, type(module), siblings.index(name)
-
-
-def _grouped(
-    model: nn.Module, blocks: list[str], min_group_bytes: int, gather_dtype: torch.dtype | None
-) -> list[tuple[str, ...]]:
-    """``blocks`` (in call order) as the modules of each call: a block gathering under
-    ``min_group_bytes`` joins the open group of the block just before it in its run, until the
-    group holds ``min_group_bytes``; a block that large is alone."""
-    claims = _claimed(model, blocks)
-    out: list[list[str]] = []
-    open_bytes = 0  # bytes of out[-1] while it is open to the next block; 0: closed
-    previous: tuple[str, type, int] | None = None
-    for fqn in blocks:
-        nbytes = _nbytes(claims[fqn], gather_dtype)
-        position = _run_position(model, fqn) if min_group_bytes else None
-        follows = (
-            position is not None
-            and previous is not None
-            and position[:2] == previous[:2]
-            and position[2] == previous[2] + 1
-        )
-        if nbytes < min_group_bytes and follows and open_bytes:
-            out[-1].append(fqn)
-            open_bytes += nbytes
-        else:
-            out.append([fqn])
-            open_bytes = nbytes if nbytes < min_group_bytes else 0
-        if open_bytes >= min_group_bytes:
-            open_bytes = 0
-        previous = position
-    return [tuple(group) for group in out]
-
-
-def _submodule(model: nn.Module, fqn: str) -> nn.Module:
-    try:
-        return model.get_submodule(fqn)
-    except AttributeError:
-        raise ValueError(
-            f"AutoShardResult.apply: {type(model).__name__} has no submodule {fqn!r}; replay a "
-            "result onto a model built the same way as the one auto_shard planned"
-        ) from None
