@@ -61,7 +61,17 @@ if TYPE_CHECKING:
         ) -> None: ...
 
 
-__all__ = ["ExtensionState", "contiguous_strides", "has_extension", "mesh_only"]
+__all__ = [
+    "ExtensionState",
+    "contiguous_strides",
+    "has_extension",
+    "mesh_only",
+    "releases_outputs",
+]
+
+# An extension declares with this method (torch 2.15's name) that its post hook's parameter
+# does not alias the gathered inputs, which may then be freed at once.
+_RELEASE = "fsdp_should_release_all_gather_outputs_after_post_all_gather"
 
 
 @dataclass
@@ -75,6 +85,29 @@ class ExtensionState:
     outputs: list[torch.Tensor] | None = None
     # The unsharded parameter's inner tensors with their sizes, once the post hook built them.
     inner: list[tuple[torch.Tensor, int]] | None = None
+    # The post hook's result does not alias ``outputs`` (releases_outputs): free them as soon
+    # as it ran, not at reshard; the next gather regrows them.
+    release_outputs: bool = False
+
+
+def releases_outputs(tensor: torch.Tensor) -> bool:
+    """What ``tensor``'s class answers to ``fsdp_should_release_all_gather_outputs_after_
+    post_all_gather()`` (``False`` without the method); asked once, at ``fully_shard``. Raises
+    if it answers anything but a bool, or comes without the two gather hooks."""
+    method = getattr(tensor, _RELEASE, None)
+    if method is None:
+        return False
+    if not has_extension(tensor):
+        raise TypeError(
+            f"{type(tensor).__name__} defines {_RELEASE} but not fsdp_pre_all_gather and "
+            "fsdp_post_all_gather; it only means something for an all-gather extension"
+        )
+    answer = method()
+    if not isinstance(answer, bool):
+        raise TypeError(
+            f"{type(tensor).__name__}.{_RELEASE}() must return a bool, got {type(answer).__name__}"
+        )
+    return answer
 
 
 def has_extension(tensor: torch.Tensor) -> bool:

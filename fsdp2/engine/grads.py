@@ -3,6 +3,8 @@ sharded parameter (``accumulate_grad``, ``hand_over``)."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch.distributed.tensor import DTensor, Partial
 
@@ -55,7 +57,9 @@ def local_grad(fsdp_param: FSDPParam, grad: torch.Tensor) -> torch.Tensor:
     parallel) is first laid out as its parameter on the model-parallel dims (e.g. ``Partial``
     after a row-wise layer is summed over tp), but a ``Partial`` on a data-parallel dim is left
     alone: its local tensor is this rank's contribution, which the reduce-scatter sums (or
-    averages) over those very ranks. Summing it there first would count it once per rank."""
+    averages) over those very ranks. Summing it there first would count it once per rank.
+    A sum over model-parallel ranks runs in the parameter's reduce dtype, as the reduce-scatter
+    does (a SequenceParallel norm's bf16 gradients summed in fp32 under reduce_dtype=fp32)."""
     if not isinstance(grad, DTensor):
         return grad
     spec = fsdp_param.outer_spec
@@ -70,5 +74,7 @@ def local_grad(fsdp_param: FSDPParam, grad: torch.Tensor) -> torch.Tensor:
         for axis, (have, want) in enumerate(zip(grad.placements, spec.placements, strict=True))
     )
     if grad.placements != target:
+        if any(isinstance(p, Partial) for p in grad.placements):
+            grad = cast(DTensor, grad.to(torch.promote_types(grad.dtype, fsdp_param.reduce_dtype)))
         grad = grad.redistribute(spec.mesh, target)
     return grad._local_tensor

@@ -37,7 +37,6 @@ from fsdp2.engine.mesh import MeshInfo
 from fsdp2.engine.packing import Packing
 from fsdp2.engine.param import FSDPParam, typed
 from fsdp2.engine.policies import CPUOffloadPolicy, MixedPrecisionPolicy
-from fsdp2.engine.releases import RULES
 
 __all__ = ["FlatLayout"]
 
@@ -136,13 +135,6 @@ class FlatLayout:
         if self.alias:
             self.make_unsharded_views()
 
-    def _reduce_dtype(self, dtype: torch.dtype, param_dtype: torch.dtype) -> torch.dtype:
-        """The reduce dtype of a parameter stored in ``dtype``, gathered in ``param_dtype``:
-        the policy's, or, where it names none, the installed torch's default."""
-        if self.mp_policy.reduce_dtype is not None:
-            return self.mp_policy.reduce_dtype
-        return dtype if RULES.reduce_dtype_follows_grad_dtype else param_dtype
-
     def make_unsharded_views(self) -> None:
         """Allocate the unsharded buffer and make the plain parameters' unsharded views of it."""
         shard_size = self.shard_size
@@ -163,25 +155,26 @@ class FlatLayout:
         offsets in those buffers (elements of the one dtype, or bytes: [Note: mixed dtypes])."""
         mp = self.mp_policy
         for p in self.params:
-            p.set_param_dtype(mp.param_dtype)
+            p.set_dtypes(mp.param_dtype, mp.reduce_dtype)
         dtypes = {p.dtype for p in self.params}
         # Several dtypes stored, or gathered (param_dtype_override_fn): byte-packed buffers.
         self.mixed = len(dtypes) > 1 or len({p.param_dtype for p in self.params}) > 1
+        # Sharded gradients not all in the group's one dtype (a mixed group, or a grad_dtype
+        # set on some parameter): cast shard by shard, from the promoted reduce dtype.
+        self.cast_each_grad = self.mixed or any(p.grad_dtype is not None for p in self.params)
         if self.mixed:
             self.dtype = self.param_dtype = torch.uint8
-            reduce_dtypes = [self._reduce_dtype(p.dtype, p.param_dtype) for p in self.trainable]
-            self.reduce_dtype = (
-                functools.reduce(torch.promote_types, reduce_dtypes)
-                if reduce_dtypes
-                else torch.float32
-            )
         else:
             self.dtype = dtypes.pop() if dtypes else torch.float32
             floating = self.dtype.is_floating_point
             self.param_dtype = (mp.param_dtype if floating else None) or self.dtype
-            self.reduce_dtype = (
-                self._reduce_dtype(self.dtype, self.param_dtype) if floating else self.param_dtype
-            )
+        reduce_dtypes = {p.reduce_dtype for p in self.trainable}
+        if not self.cast_each_grad:  # one dtype: every parameter's, trainable or not
+            self.reduce_dtype = self.params[0].reduce_dtype if self.params else torch.float32
+        elif reduce_dtypes:
+            self.reduce_dtype = functools.reduce(torch.promote_types, reduce_dtypes)
+        else:
+            self.reduce_dtype = torch.float32
         if self.mixed:  # widest first: every chunk's offset is a multiple of its element size
             self.plain_params.sort(key=lambda p: -p.param_dtype.itemsize)
         # A mixed group casting some chunks gathers a packed copy, not its shard's bytes.
@@ -214,7 +207,7 @@ class FlatLayout:
         reduces in the widest of their dtypes) the reduce dtype. The layout it also recomputes
         depends on dtypes only: unchanged."""
         self.trainable = [p for p in self.params if p.requires_grad]
-        if self.mixed:
+        if self.cast_each_grad:
             self.set_dtypes()
 
     # -- re-packing ------------------------------------------------------------------------------

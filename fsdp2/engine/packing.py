@@ -83,6 +83,9 @@ def unpack(
                 )
             start += nbytes
         _rebuild_unsharded(fsdp_param, outputs, metadata, fsdp_param.param_dtype)
+        if fsdp_param.ext.release_outputs:  # the parameter holds none of them: free them now
+            for out in outputs:
+                out.untyped_storage().resize_(0)
     return rows[:, :plain_bytes]
 
 

@@ -26,9 +26,14 @@ from torch.utils import dlpack
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fsdp2.engine.chunk import Chunk, chunk_of, piece_sizes
-from fsdp2.engine.extension import ExtensionState, contiguous_strides, has_extension
+from fsdp2.engine.extension import (
+    ExtensionState,
+    contiguous_strides,
+    has_extension,
+    releases_outputs,
+)
 from fsdp2.engine.mesh import MeshInfo
-from fsdp2.engine.releases import CLEAR_NATIVE_DTENSOR_CACHE
+from fsdp2.engine.releases import CLEAR_NATIVE_DTENSOR_CACHE, RULES, explicit_grad_dtype
 
 if TYPE_CHECKING:
     pass
@@ -87,6 +92,9 @@ class FSDPParam:
         # so the sharded DTensor reports the contiguous strides of the full shape.
         self.stride = contiguous_strides(param.shape)
         self.dtype = param.dtype
+        # The grad_dtype the user set (None: the default): the sharded gradient's dtype, and the
+        # dtype its micro-batches are summed and reduced in (see set_dtypes).
+        self.grad_dtype = explicit_grad_dtype(param)
         self.requires_grad = param.requires_grad
         self.numel = math.prod(self.shape)
         self.dim = dim  # the dim fsdp2 splits (shard_placement_fn may pick another)
@@ -97,12 +105,14 @@ class FSDPParam:
         # A wrapper subclass (its data in inner tensors, as torchao's float8 and NF4 weights) has
         # no storage of its own to view the flat buffer through: its shard lives outside it.
         self.wrapper = self.extension and is_traceable_wrapper_subclass(local)
-        self.ext = ExtensionState()  # what packing.py keeps across gathers
+        # What packing.py keeps across gathers.
+        self.ext = ExtensionState(release_outputs=releases_outputs(local))
         self.module = slots[0][0]  # handed to fsdp_pre_all_gather
         self.on_grad_ready: Callable[[torch.Tensor], None] | None = None
         # Set by the group's layout once it is fixed (layout.py).
         self.place = BufferPlace()  # where its chunk is in the group's buffers
         self.param_dtype = self.dtype  # what it is gathered and computed in (mixed precision)
+        self.reduce_dtype = self.dtype  # what its gradients are summed in (set_dtypes)
         self.sharded_param: nn.Parameter  # DTensor; the optimizer's parameter
         self.unsharded_param: nn.Parameter  # plain tensor viewing the unsharded buffer
         self.grad_node: torch.autograd.graph.Node | None = None  # AccumulateGrad, kept alive
@@ -156,6 +166,7 @@ class FSDPParam:
                 torch.utils.swap_tensors(self.sharded_param, new)  # type: ignore[no-untyped-call]
             self.sharded_param._local_tensor = local  # type: ignore[attr-defined]
             self.sharded_param._fsdp2_owner = owner  # type: ignore[attr-defined]
+            self._keep_grad_dtype()
             return
         if full.device.type != "meta" and not self.wrapper:
             with torch.no_grad():
@@ -163,6 +174,19 @@ class FSDPParam:
         self.sharded_param = self._new_sharded_param(local, self.requires_grad)
         self.sharded_param._fsdp2_owner = self.owner  # type: ignore[attr-defined]
         self.local_tensor = self.sharded_param._local_tensor  # type: ignore[attr-defined]
+        self._keep_grad_dtype()
+
+    def _keep_grad_dtype(self) -> None:
+        """Give the sharded parameter the user's ``grad_dtype`` (a new parameter object, or one
+        ``.to()`` converted, lost it): its reduced gradient comes in that dtype. A gradient it
+        holds (``.to()`` converted that too) is cast back to it."""
+        param, dtype = self.sharded_param, self.grad_dtype
+        if dtype is None or param.grad_dtype == dtype:
+            return
+        grad, param.grad = param.grad, None
+        param.grad_dtype = dtype
+        if grad is not None:
+            param.grad = grad.to(dtype)
 
     def _new_sharded_param(self, local: torch.Tensor, requires_grad: bool) -> nn.Parameter:
         """``local`` wrapped as the sharded DTensor parameter, as it is: ``DTensor.from_local``
@@ -206,17 +230,37 @@ class FSDPParam:
         (a view needs its storage allocated when it is made)."""
         self.unsharded_param = nn.Parameter(torch.empty(0), requires_grad=self.requires_grad)
 
-    def set_param_dtype(self, mp_param_dtype: torch.dtype | None) -> None:
+    def set_dtypes(
+        self, mp_param_dtype: torch.dtype | None, mp_reduce_dtype: torch.dtype | None
+    ) -> None:
         """What the parameter is gathered and computed in: the policy's ``param_dtype`` for a
         floating parameter, unless its override kept its own; its stored dtype otherwise (mixed
-        precision leaves non-floating dtypes alone)."""
+        precision leaves non-floating dtypes alone). And what its gradients are summed in: the
+        policy's ``reduce_dtype``; else its explicit ``grad_dtype``; else the installed torch's
+        default (``RULES.reduce_dtype_follows_grad_dtype``: its own dtype, or ``param_dtype``)."""
         floating = self.dtype.is_floating_point
         self.param_dtype = self.kept_dtype or (mp_param_dtype if floating else None) or self.dtype
+        if not floating:
+            self.reduce_dtype = self.param_dtype
+        elif mp_reduce_dtype is not None:
+            self.reduce_dtype = mp_reduce_dtype
+        elif self.grad_dtype is not None:
+            self.reduce_dtype = self.grad_dtype
+        else:
+            follows = RULES.reduce_dtype_follows_grad_dtype
+            self.reduce_dtype = self.dtype if follows else self.param_dtype
+
+    @property
+    def sharded_grad_dtype(self) -> torch.dtype:
+        """The dtype of the sharded parameter's ``.grad``: its ``grad_dtype``, else its own."""
+        return self.grad_dtype or self.dtype
 
     def adopt(self, new: nn.Parameter) -> None:
         """Make ``new`` (a parameter assigned on the modules, or loaded with ``assign=True``)
-        the sharded parameter, owned by this call; the group re-packs it next."""
+        the sharded parameter, owned by this call; the group re-packs it next. A ``grad_dtype``
+        set on ``new`` replaces ours; without one, ours carries over (as torch 2.15 does)."""
         new._fsdp2_owner = self.owner  # type: ignore[attr-defined]
+        self.grad_dtype = explicit_grad_dtype(new) or self.grad_dtype
         self.sharded_param = new
 
     def follow_dtype(self) -> None:

@@ -344,16 +344,19 @@ class GradientReducer:
 
     def stash_grads(self) -> None:
         """Without gradient sync: move this backward's gradients onto the running unreduced sum,
-        kept in ``reduce_dtype`` so low-precision micro-steps don't lose bits."""
-        if self.layout.reduce_dtype == self.layout.param_dtype:
+        kept in ``reduce_dtype`` so low-precision micro-steps don't lose bits: each
+        parameter's own (a ``grad_dtype`` set on it), or a mixed-dtype group's one."""
+        layout = self.layout
+        if layout.reduce_dtype == layout.param_dtype:
             return  # autograd keeps accumulating into the unsharded .grad, already the dtype
-        for fsdp_param in self.layout.trainable:
+        for fsdp_param in layout.trainable:
             unsharded = fsdp_param.unsharded_param
             if unsharded.grad is None:
                 continue
             grad = unsharded.grad
             unsharded.grad = None
-            grad = local_grad(fsdp_param, grad).to(self.layout.reduce_dtype)
+            dtype = layout.reduce_dtype if layout.mixed else fsdp_param.reduce_dtype
+            grad = local_grad(fsdp_param, grad).to(dtype)
             summed = self.unreduced.get(fsdp_param)
             if summed is None:
                 self.unreduced[fsdp_param] = grad
@@ -408,17 +411,17 @@ class GradientReducer:
             flags, out = out[out.numel() - len(used) :], out[: out.numel() - len(used)]
         if self.settings.all_reduce_hook is not None:
             self.settings.all_reduce_hook(out)
-        # No-op without mp or offload. A mixed-dtype group casts each shard to its own dtype.
-        out = out.to(
-            self.layout.sharded_flat.device, out.dtype if self.layout.mixed else self.layout.dtype
-        )
+        # No-op without mp or offload. A group whose gradients differ in dtype (mixed dtypes,
+        # a grad_dtype) casts each shard to its own.
+        each = self.layout.cast_each_grad
+        out = out.to(self.layout.sharded_flat.device, out.dtype if each else self.layout.dtype)
         shards: list[Reduced] = []
         start = 0
         for i, fsdp_param in enumerate(params):
             shard = fsdp_param.local_view(out, start)
             flag = None if flags is None or used is None or used[i] else flags[i]
             shards.append(
-                (fsdp_param, shard.to(fsdp_param.dtype) if self.layout.mixed else shard, flag)
+                (fsdp_param, shard.to(fsdp_param.sharded_grad_dtype) if each else shard, flag)
             )
             start += fsdp_param.chunk.numel
         return shards
@@ -432,7 +435,7 @@ class GradientReducer:
             # per parameter, they were the largest single cost of a one-rank backward).
             if g.shape != p.chunk.local_shape:
                 g = g.reshape(p.chunk.local_shape)
-            if g.dtype != p.dtype or g.device != device:
-                g = g.to(device, p.dtype)
+            if g.dtype != p.sharded_grad_dtype or g.device != device:
+                g = g.to(device, p.sharded_grad_dtype)
             shards.append((p, g, None))
         return shards

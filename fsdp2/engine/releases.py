@@ -14,7 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CLEAR_NATIVE_DTENSOR_CACHE", "RULES", "TORCH_RELEASE", "ReleaseRules", "rules_for"]
+__all__ = [
+    "CLEAR_NATIVE_DTENSOR_CACHE",
+    "RULES",
+    "TORCH_RELEASE",
+    "ReleaseRules",
+    "explicit_grad_dtype",
+    "rules_for",
+]
 
 
 def parse_release(version: str) -> tuple[int, int]:
@@ -56,6 +63,19 @@ def rules_for(release: tuple[int, int]) -> ReleaseRules:
 
 TORCH_RELEASE = parse_release(torch.__version__)
 RULES = rules_for(TORCH_RELEASE)
+
+
+def explicit_grad_dtype(param: torch.Tensor) -> torch.dtype | None:
+    """The ``grad_dtype`` a user set on ``param``, or ``None`` if it has the default (its own
+    dtype). torch 2.15 records whether one was set (``_has_grad_dtype_override``), so one set to
+    the parameter's own dtype counts and survives a later ``.to()``; earlier releases (which have
+    ``grad_dtype`` but not the record) show it only where it differs from the dtype."""
+    dtype = getattr(param, "grad_dtype", None)
+    overridden = getattr(param, "_has_grad_dtype_override", None)
+    if overridden is not None:
+        return dtype if overridden else None
+    return dtype if dtype is not None and dtype != param.dtype else None
+
 
 # DTensor's C++ dispatch fast path keeps a sharding cache of its own in the releases that have
 # that path; the function that clears it, or None (engine/param.py clears both caches).

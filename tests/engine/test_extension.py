@@ -144,3 +144,88 @@ def test_low_precision_reduce_scatter_halves_the_bytes() -> None:
     # 3 blocks' fp32 gradients handed to the comm, sent as bf16: half the bytes on the wire.
     assert result["sent"] * 2 == result["scattered"], result
     assert result["max_error"] < 1e-2, result  # bf16 rounding once per value, fp32 sums
+
+
+def _released_outputs(release: bool) -> dict[str, object]:
+    """Train int8-gathered blocks kept gathered after forward (``reshard_after_forward=False``);
+    report the losses and, after each forward, the bytes of the gathered int8 inputs still held."""
+    import fsdp2
+    from examples.int8_allgather import Int8GatherWeight, int8_gathered
+    from fsdp2.engine.state import state_of
+
+    class ReleasingInt8(Int8GatherWeight):
+        def fsdp_should_release_all_gather_outputs_after_post_all_gather(self) -> bool:
+            return True
+
+    rank = dist.get_rank()
+    model = _mlp(0)
+    int8_gathered(model)
+    if release:
+        for block in model:
+            weight = block[0].weight
+            block[0].weight = nn.Parameter(weight.detach().as_subclass(ReleasingInt8))
+    for block in model:
+        fsdp2.fully_shard(block, reshard_after_forward=False)
+    fsdp2.fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses, held = [], []
+    for step in range(3):
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(step * WORLD + rank))
+        loss = model(x).pow(2).mean()
+        held.append(
+            sum(
+                out.untyped_storage().nbytes()
+                for block in model
+                for p in state_of(block).groups[0].layout.ext_params
+                for out in p.ext.outputs or ()
+            )
+        )
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "held": held}
+
+
+def test_extension_may_release_its_gathered_inputs() -> None:
+    """An extension whose post hook builds a new tensor (int8 dequantised) declares it
+    (``fsdp_should_release_all_gather_outputs_after_post_all_gather``, torch 2.15's hook): its
+    gathered int8 inputs are freed right after the post hook, not at reshard, and the next
+    gather regrows them. Same arithmetic either way: the losses agree bit for bit."""
+    kept = run_on_ranks(WORLD, _released_outputs, False)
+    released = run_on_ranks(WORLD, _released_outputs, True)
+    for keep, rel in zip(kept, released, strict=True):
+        assert rel["losses"] == keep["losses"]
+        assert all(b > 0 for b in keep["held"])  # 3 weights x (32x32 int8 + 32 fp32 scales)
+        assert rel["held"] == [0, 0, 0]
+
+
+class NotABool(torch.Tensor):
+    def fsdp_pre_all_gather(self, mesh: object) -> tuple[tuple[torch.Tensor, ...], None]:
+        return (self.as_subclass(torch.Tensor),), None
+
+    def fsdp_post_all_gather(self, *args: object, **kwargs: object) -> None:
+        return None
+
+    def fsdp_should_release_all_gather_outputs_after_post_all_gather(self) -> object:
+        return 1
+
+
+def _not_a_bool() -> str:
+    import fsdp2
+
+    linear = nn.Linear(4, 4)
+    linear.weight = nn.Parameter(linear.weight.detach().as_subclass(NotABool))
+    try:
+        fsdp2.fully_shard(linear)
+    except TypeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_release_hook_must_answer_a_bool() -> None:
+    for message in run_on_ranks(WORLD, _not_a_bool):
+        assert message == (
+            "NotABool.fsdp_should_release_all_gather_outputs_after_post_all_gather() must "
+            "return a bool, got int"
+        )
