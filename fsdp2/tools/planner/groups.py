@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from fsdp2.engine.coalesce import ag_joinable
@@ -137,8 +138,8 @@ def _facts(group: FSDPParamGroup, label: str, is_root: bool, reshard: bool) -> G
         else 0
     )
     flag_bytes = 0
-    if group.layout.mixed:  # each reduced shard is cast to its own dtype: real rows only
-        grad_bytes = sum(p.chunk.local_numel * p.dtype.itemsize for p in trainable)
+    if group.layout.cast_each_grad:  # each reduced shard cast to its own dtype: real rows only
+        grad_bytes = sum(p.chunk.local_numel * p.sharded_grad_dtype.itemsize for p in trainable)
     else:  # the reduce-scatter's output (one buffer, padding included) in the parameters' dtype
         grad_bytes = chunk_numel * group.layout.dtype.itemsize
         # Its flags stay allocated with it (the gradients view that buffer), unless a cast or a
@@ -160,13 +161,13 @@ def _facts(group: FSDPParamGroup, label: str, is_root: bool, reshard: bool) -> G
         partial_k=partial.size() if partial is not None else 0,
         sharded_bytes=group.layout.shard_numel * unit,
         param_bytes=sum(p.chunk.local_numel * p.dtype.itemsize for p in group.fsdp_params),
-        param_last_bytes=sum(_last_rank_bytes(p, world) for p in group.fsdp_params),
+        param_last_bytes=sum(_last_rank_bytes(p, world, p.dtype) for p in group.fsdp_params),
         unsharded_bytes=0 if group.layout.alias else world * group.layout.plain_numel * gather_unit,
         gather_in_bytes=group.layout.plain_numel * gather_unit,
         grad_bytes=grad_bytes,
         grad_flag_bytes=flag_bytes,
-        grad_real_bytes=sum(p.chunk.local_numel * p.dtype.itemsize for p in trainable),
-        grad_last_bytes=sum(_last_rank_bytes(p, world) for p in trainable),
+        grad_real_bytes=sum(p.chunk.local_numel * p.sharded_grad_dtype.itemsize for p in trainable),
+        grad_last_bytes=sum(_last_rank_bytes(p, world, p.sharded_grad_dtype) for p in trainable),
         unsharded_grad_bytes=sum(p.numel * p.param_dtype.itemsize for p in trainable),
         reduce_in_bytes=world * (chunk_numel + flags) * reduce_unit if world > 1 else 0,
         reduce_out_bytes=(chunk_numel + flags) * reduce_unit if world > 1 or replicas else 0,
@@ -175,10 +176,10 @@ def _facts(group: FSDPParamGroup, label: str, is_root: bool, reshard: bool) -> G
     )
 
 
-def _last_rank_bytes(p: FSDPParam, world: int) -> int:
-    """Bytes of the real rows the last of ``world`` ranks holds (a scalar: all of it)."""
+def _last_rank_bytes(p: FSDPParam, world: int, dtype: torch.dtype) -> int:
+    """Bytes in ``dtype`` of the real rows the last of ``world`` ranks holds (a scalar: all)."""
     if not p.shape:
-        return p.dtype.itemsize
+        return dtype.itemsize
     rows = p.shape[p.dim]
     last_rows = min(max(rows - (world - 1) * p.chunk.rows, 0), p.chunk.rows)
-    return last_rows * (p.numel // rows if rows else 0) * p.dtype.itemsize
+    return last_rows * (p.numel // rows if rows else 0) * dtype.itemsize

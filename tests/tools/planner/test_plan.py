@@ -55,7 +55,22 @@ def shard_blocks_hsdp(model: nn.Module, mesh: DeviceMesh) -> None:
     fsdp2.fully_shard(model, mesh=mesh)
 
 
-SHARDERS = {"plain": shard_blocks, "bf16": shard_blocks_bf16, "hsdp": shard_blocks_hsdp}
+def shard_blocks_grad_dtype(model: nn.Module) -> None:
+    """bf16 compute with a bf16 ``grad_dtype`` on every matrix: those sharded gradients hold
+    half the bytes of the fp32 parameters', the rest fp32 (torch's AdamW refuses gradients
+    narrower than their parameters: see test_plan_grad_bytes_follow_grad_dtype)."""
+    for param in model.parameters():
+        if param.dim() == 2:
+            param.grad_dtype = torch.bfloat16
+    shard_blocks(model, mp=True)
+
+
+SHARDERS = {
+    "plain": shard_blocks,
+    "bf16": shard_blocks_bf16,
+    "hsdp": shard_blocks_hsdp,
+    "grad_dtype": shard_blocks_grad_dtype,
+}
 
 
 def frozen_first() -> nn.Module:
@@ -383,3 +398,24 @@ fsdp2.plan: world 2, 756 parameters, per rank
   blocks.2     272   1.06 KiB  544 B                yes
 note: collectives and transients of a steady-state step (every step after the first) with coalescing at 262,144 B: the first step gathers each group alone in forward, having no recorded order yet""",
             )
+
+
+def _grad_bytes(model_name: str) -> tuple[int, int]:
+    model = _build(model_name)
+    shard_blocks_grad_dtype(model)
+    batch = local_batch(model_name, 0, 0, dist.get_rank(), dist.get_world_size(), 2)
+    model(*batch).backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    narrow = sum(g.dtype == torch.bfloat16 for g in grads)
+    return _storage_bytes(grads), narrow
+
+
+def test_plan_grad_bytes_follow_grad_dtype() -> None:
+    """A ``grad_dtype`` set on parameters sizes their sharded gradients: the plan's gradient
+    bytes are what .grad holds on the first and the last rank (uneven shapes: they differ)."""
+    plan = _plan("odd_shapes", "grad_dtype", 2)
+    ranks = run_on_ranks(2, _grad_bytes, "odd_shapes")
+    (first, narrow), (last, _) = ranks[0], ranks[-1]
+    assert narrow > 0  # the case is there: some gradients are bf16
+    assert plan.grad_bytes == first
+    assert plan.grad_bytes - plan.grad_padding_bytes == last
