@@ -165,7 +165,7 @@ def _reduction(params: list[torch.Tensor], pp_mesh: DeviceMesh | None) -> _Reduc
         raise AssertionError("clip_grad_norm_: no mesh, though the early return covers that")
     device_type = any_mesh.device_type
     cover = sorted((m for key, m in meshes.items() if spans[key] == domain), key=lambda m: m.ndim)
-    if domain != world and not cover:
+    if meshes and domain != world and not cover:
         domain = world  # sub-meshes that tile the world without one mesh spanning it
     groups: tuple[dist.ProcessGroup, ...] = ()
     if domain == world and world_size > 1:

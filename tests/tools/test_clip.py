@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from tests.errors import error_text
 from tests.harness import run_on_ranks
 from tests.parity import close, compare_grads, full
 from tests.tolerance import FP32, FP32_RTOL, Tolerance
@@ -258,3 +259,108 @@ def test_inf_norm_over_mixed_meshes() -> None:
     result = _same_on_every_rank(run_on_ranks(WORLD, _clip, MIXED, "inf"))
     assert result["collectives"] == ONE_ALL_REDUCE, result
     assert result["torch"].startswith(WITH_PLAIN), result["torch"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Non-finite gradients
+# ---------------------------------------------------------------------------------------------
+
+NONFINITE_ERROR = (
+    "RuntimeError: clip_grad_norm_: the total norm of order {p} of the gradients is {total}, so "
+    "it cannot be clipped (the same on every rank). Find the non-finite gradient, or pass "
+    "error_if_nonfinite=False to scale the gradients by it anyway"
+)
+
+
+def _nonfinite(bad: float, norm_type: float | str, error_if_nonfinite: bool) -> str:
+    """``bad`` in one element of rank 1's shard only (row 3 of a.weight: rows 3-4 are rank
+    1's), and in the reference's same element."""
+    import fsdp2
+
+    model, reference, _ = _train_step(FSDP)
+    if dist.get_rank() == 1:
+        model.a.weight.grad.to_local()[0, 0] = bad
+    reference.a.weight.grad[3, 0] = bad
+    if error_if_nonfinite:
+        return error_text(lambda: fsdp2.clip_grad_norm_(model.parameters(), 0.01, norm_type, True))
+    norm = fsdp2.clip_grad_norm_(model.parameters(), 0.01, norm_type)
+    ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01, norm_type)
+    torch.testing.assert_close(norm, ref_norm, equal_nan=True)
+    # torch's semantics: scaled by 0.01 / inf = 0 (the inf element: inf * 0 = NaN), or by NaN.
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(full(p.grad), q.grad, equal_nan=True, msg=name)
+    return str(norm.item())
+
+
+def _nonfinite_cases() -> list[str]:
+    cases = [(math.inf, 2.0, True), (math.inf, 2.0, False), (math.nan, "inf", False)]
+    return [_nonfinite(*case) for case in cases]
+
+
+def test_non_finite_gradient_on_one_rank() -> None:
+    """Every rank raises the same error, or scales by the same non-finite norm as torch; a NaN
+    on one rank reaches every rank's inf norm (a MAX all-reduce may drop a NaN: fsdp2 sends a
+    flag beside the max)."""
+    results = _same_on_every_rank(run_on_ranks(2, _nonfinite_cases))
+    assert results == [NONFINITE_ERROR.format(p=2.0, total=math.inf), "inf", "nan"], results
+
+
+# ---------------------------------------------------------------------------------------------
+# Pipeline stages
+# ---------------------------------------------------------------------------------------------
+
+
+def _stage_references() -> tuple[list[_Net], list[torch.Tensor]]:
+    """Two stages' networks (different parameters), each with its own batch, backward done."""
+    references = [_Net(seed) for seed in (1, 2)]
+    batches = [
+        torch.randn(2 * LOCAL_BATCH, IN, generator=torch.Generator().manual_seed(seed))
+        for seed in (1, 2)
+    ]
+    return references, batches
+
+
+def _pipeline() -> list[list[tuple[str, int]]]:
+    """A (pp 2, dp 2) mesh: stage s's ranks hold network s, sharded over dp (folded into one
+    world all-reduce), then plain and averaged over dp by hand (one all-reduce over pp)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fsdp2
+    from fsdp2 import fully_shard
+    from fsdp2.engine.collectives import record_collectives
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None
+    stage, row = coordinate
+    counts = []
+    for sharded in (True, False):
+        references, batches = _stage_references()
+        model = copy.deepcopy(references[stage])
+        if sharded:
+            for part in (model.a, model.b, model.tp):
+                fully_shard(part, mesh=mesh["dp"])
+            fully_shard(model, mesh=mesh["dp"])
+        for reference, x in zip(references, batches, strict=True):
+            reference(x).backward()
+        model(batches[stage][row * LOCAL_BATCH : (row + 1) * LOCAL_BATCH]).backward()
+        if not sharded:  # plain copies in each stage: averaged over dp by hand, as DDP does
+            for p in model.parameters():
+                dist.all_reduce(p.grad, group=mesh["dp"].get_group())
+                p.grad /= 2
+        every = [p for reference in references for p in reference.parameters()]
+        max_norm = 0.5 * torch.nn.utils.get_total_norm([p.grad for p in every]).item()
+        with record_collectives() as records:
+            norm = fsdp2.clip_grad_norm_(model.parameters(), max_norm, pp_mesh=mesh["pp"])
+        close(
+            "norm over both stages", norm, torch.nn.utils.clip_grad_norm_(every, max_norm), NORM_TOL
+        )
+        compare_grads(model, references[stage], "clipped", CLIPPED_TOL)
+        counts.append([(r.kind, r.world_size) for r in records])
+    return counts
+
+
+def test_pipeline_stages_add_up() -> None:
+    counts = _same_on_every_rank(run_on_ranks(WORLD, _pipeline))
+    # dp (2 ranks) x pp (2 stages) is the world: one all-reduce. Plain stages: over pp only.
+    assert counts == [[("all_reduce", WORLD)], [("all_reduce", 2)]], counts
