@@ -364,3 +364,13 @@ def test_pipeline_stages_add_up() -> None:
     counts = _same_on_every_rank(run_on_ranks(WORLD, _pipeline))
     # dp (2 ranks) x pp (2 stages) is the world: one all-reduce. Plain stages: over pp only.
     assert counts == [[("all_reduce", WORLD)], [("all_reduce", 2)]], counts
+
+
+def test_norm_type_must_be_positive_or_inf() -> None:
+    """Raised before any collective, from the argument alone: on every rank alike."""
+    import fsdp2
+
+    assert error_text(lambda: fsdp2.clip_grad_norm_(torch.ones(2), 1.0, 0)) == (
+        "ValueError: clip_grad_norm_: norm_type must be > 0 or 'inf', got 0: a norm of order "
+        "<= 0 is no sum over the gradients' shards. Pass 2.0 (the default) or 'inf'"
+    )
