@@ -29,6 +29,7 @@ from fsdp2.engine.policies import (
 )
 from fsdp2.engine.traced import set_traced
 from fsdp2.tools.auto import AutoShardResult, auto_shard
+from fsdp2.tools.clip import clip_grad_norm_
 from fsdp2.tools.full_params import summon_full_params
 from fsdp2.tools.grad_scaler import ShardedGradScaler
 from fsdp2.tools.planner import Plan, plan
@@ -54,6 +55,7 @@ __all__ = [
     "ShardedGradScaler",
     "UnshardHandle",
     "auto_shard",
+    "clip_grad_norm_",
     "fully_shard",
     "patch_torch_fsdp",
     "plan",
