@@ -30,6 +30,7 @@ from fsdp2.engine.policies import (
 from fsdp2.engine.traced import set_traced
 from fsdp2.tools.auto import AutoShardResult, auto_shard
 from fsdp2.tools.full_params import summon_full_params
+from fsdp2.tools.full_weights import iter_full_weights
 from fsdp2.tools.grad_scaler import ShardedGradScaler
 from fsdp2.tools.planner import Plan, plan
 from fsdp2.tools.swap import patch_torch_fsdp
@@ -55,6 +56,7 @@ __all__ = [
     "UnshardHandle",
     "auto_shard",
     "fully_shard",
+    "iter_full_weights",
     "patch_torch_fsdp",
     "plan",
     "record_collectives",
