@@ -33,6 +33,7 @@ from fsdp2.tools.full_params import summon_full_params
 from fsdp2.tools.full_weights import iter_full_weights
 from fsdp2.tools.grad_scaler import ShardedGradScaler
 from fsdp2.tools.planner import Plan, plan
+from fsdp2.tools.safetensors_export import save_hf_safetensors
 from fsdp2.tools.swap import patch_torch_fsdp
 
 __all__ = [
@@ -62,6 +63,7 @@ __all__ = [
     "record_collectives",
     "register_fsdp_forward_method",
     "replicate",
+    "save_hf_safetensors",
     "set_coalesce_bytes",
     "set_collective_checks",
     "set_traced",
