@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import expecttest
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,6 +24,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from tests.errors import raised
 from tests.harness import RemoteError, run_on_ranks
 from tests.models import build_model
 
@@ -229,8 +231,34 @@ def test_bad_arguments() -> None:
     run_on_ranks(2, _refusals)
 
 
+def _subclass_weights() -> str:
+    from fsdp2 import fully_shard, iter_full_weights
+    from tests.engine.test_extension_legacy import _model
+
+    model = _model()  # two Linear weights as a torchao-NF4-like wrapper subclass
+    fully_shard(model[0])
+    fully_shard(model)
+    return raised(lambda: iter_full_weights(model))
+
+
+class TestRefusal(expecttest.TestCase):
+    def test_subclass_weights_are_refused_by_name_on_every_rank(self) -> None:
+        messages = run_on_ranks(2, _subclass_weights)
+        self.assertEqual(messages[0], messages[1])
+        self.assertExpectedInline(
+            messages[0],
+            """NotImplementedError: iter_full_weights hands out plain tensors; 0.weight, 2.weight are tensor subclasses (quantized or all-gather extension weights). Convert them to plain tensors first (e.g. dequantize), or gather them yourself with DTensor's full_tensor()""",
+        )
+
+
 def _memory() -> dict[str, int]:
-    """Bytes above the sharded model while iterating, counted by the CPU allocator."""
+    """Bytes above the sharded model while iterating, counted by the CPU allocator.
+
+    benchmarks/cpu_memory.cpp wraps torch's CPU allocator: every block it hands out, on any
+    thread (gloo frees collective buffers on its worker threads), counts until freed, and the
+    peak is updated at each allocation, not sampled, so no transient escapes it. Only blocks
+    allocated inside the context count, so the model, built before, is the baseline. RSS would
+    not do: it keeps freed pages the allocator caches, and a sampled peak misses short ones."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from fsdp2 import fully_shard, iter_full_weights
     from measure import CPUMemory  # type: ignore[import-not-found]
