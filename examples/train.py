@@ -67,9 +67,16 @@ parser.add_argument(
     help="muon: fsdp2.optim.Muon on the blocks' matrices (AdamW at --lr for the rest)",
 )
 parser.add_argument("--muon-lr", type=float, default=0.02, help="Muon's peak learning rate")
+parser.add_argument(
+    "--export-hf",
+    metavar="DIR",
+    help="after training, write the weights to DIR as safetensors files (fsdp2 only; bf16 with --bf16)",
+)
 args = parser.parse_args()
 if args.auto_shard and args.impl != "fsdp2":
     parser.error("--auto-shard is fsdp2's: use it with --impl fsdp2")
+if args.export_hf and args.impl != "fsdp2":
+    parser.error("--export-hf is fsdp2's (save_hf_safetensors): use it with --impl fsdp2")
 
 # Switching implementations is this one import: both expose the same API.
 if args.impl == "torch":
@@ -352,6 +359,14 @@ console.print(
     f"train loss {first_loss:.3f} -> {last_loss:.3f} | val loss {initial_val:.3f} -> {final_val:.3f}",
     soft_wrap=True,  # one line even in a narrow terminal or a CI log: easy to grep
 )
+if args.export_hf:
+    # The full weights stream out in buckets, one all-gather each; file k is written by rank
+    # k mod world_size, and no rank ever holds the whole model.
+    from fsdp2 import save_hf_safetensors
+
+    dtype = torch.bfloat16 if args.bf16 else None
+    files = save_hf_safetensors(model, args.export_hf, dtype=dtype)
+    console.print(f"exported the weights to {args.export_hf}/: {', '.join(files)}")
 # Collect FSDP's reference cycles (which hold tensors and gloo work) while the process group is
 # alive: left to interpreter exit, they abort the process about one run in three (torch 2.13:
 # "terminate called without an active exception").

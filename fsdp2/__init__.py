@@ -31,8 +31,10 @@ from fsdp2.engine.traced import set_traced
 from fsdp2.tools.auto import AutoShardResult, auto_shard
 from fsdp2.tools.clip import clip_grad_norm_
 from fsdp2.tools.full_params import summon_full_params
+from fsdp2.tools.full_weights import iter_full_weights
 from fsdp2.tools.grad_scaler import ShardedGradScaler
 from fsdp2.tools.planner import Plan, plan
+from fsdp2.tools.safetensors_export import save_hf_safetensors
 from fsdp2.tools.swap import patch_torch_fsdp
 
 __all__ = [
@@ -57,11 +59,13 @@ __all__ = [
     "auto_shard",
     "clip_grad_norm_",
     "fully_shard",
+    "iter_full_weights",
     "patch_torch_fsdp",
     "plan",
     "record_collectives",
     "register_fsdp_forward_method",
     "replicate",
+    "save_hf_safetensors",
     "set_coalesce_bytes",
     "set_collective_checks",
     "set_traced",

@@ -1,0 +1,184 @@
+"""Which tensors ``iter_full_weights`` hands out, in which order, and in which buckets.
+
+The plan is made from facts every rank shares (the ``state_dict()`` keys, global shapes, dtypes,
+meshes), never from a rank's own shard, so that every rank cuts the same buckets and issues the
+same collectives in the same order, and a refusal raises on every rank alike.
+
+[Note: a bucket's gather]
+A bucket is a run of consecutive tensors whose full size, in the dtype handed out, adds up to at
+most ``bucket_bytes`` (a tensor larger than that is a bucket of its own). The parameters fsdp2
+shards over the same process group are gathered together: each rank packs a block of
+``block_bytes`` — a 16-byte header (a status code and the rank, see [Note: ending together] in
+full_weights.py), then its chunk of each parameter, cast to the dtype handed out and padded to
+the parameter's ``chunk_numel`` (the same on every rank), each at a 16-byte aligned offset so that
+the bytes can be viewed in any dtype — and one all-gather brings every rank's block, rank-major.
+Parameters fsdp2 does not split (one rank, ``replicate()``), buffers and tensors fsdp2 does not
+manage need no gather and ride along in whichever bucket they fall in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from fsdp2.engine.mesh import device_of
+from fsdp2.engine.param import FSDPParam
+from fsdp2.engine.param_group import FSDPParamGroup
+from fsdp2.engine.state import STATES, TrainingState
+
+__all__ = ["HEADER_BYTES", "Bucket", "WeightItem", "agreement_groups", "plan_buckets"]
+
+HEADER_BYTES = 16  # two int64: the rank's status code and its global rank
+_ALIGN = 16  # every chunk starts at a multiple of this many bytes of the block
+
+
+@dataclass(slots=True)
+class WeightItem:
+    """One tensor handed out: a parameter (once, under its first key) or a buffer."""
+
+    name: str  # its key in the unsharded module's ``state_dict()``
+    source: torch.Tensor  # what the module holds: the sharded DTensor parameter, or a buffer
+    fsdp_param: FSDPParam | None  # fsdp2's view of it, if fsdp2 shards it
+    group: FSDPParamGroup | None  # the group that holds it
+    dtype: torch.dtype  # handed out in this dtype
+    nbytes: int  # the full tensor's bytes in that dtype
+    offset: int = -1  # its chunk's byte offset in each rank's block; -1: not gathered
+
+    @property
+    def gathered(self) -> bool:
+        """Whether the bucket's all-gather brings it (fsdp2 splits it over several ranks)."""
+        return self.group is not None and self.group.shard_size > 1
+
+    @property
+    def outer(self) -> bool:
+        """Whether mesh dims other than fsdp2's split it (tensor or expert parallel), so that
+        its full tensor takes one more collective of its own (DTensor's ``full_tensor()``)."""
+        if self.fsdp_param is not None:
+            return self.fsdp_param.outer_spec is not None
+        return isinstance(self.source, DTensor)
+
+
+@dataclass(slots=True)
+class Bucket:
+    """Consecutive items handed out together; their gathered part in one all-gather."""
+
+    index: int
+    items: list[WeightItem] = field(default_factory=list)
+    nbytes: int = 0  # the full tensors' bytes
+    group: dist.ProcessGroup | None = None  # the shard group of its gathered items
+    device: torch.device | None = None  # where they are gathered
+    block_bytes: int = HEADER_BYTES  # each rank's part of the gather: header, then chunks
+
+    def add(self, item: WeightItem) -> None:
+        if item.gathered and item.fsdp_param is not None and item.group is not None:
+            self.group = item.group.info.shard_group
+            self.device = item.group.layout.device
+            item.offset = self.block_bytes
+            chunk = item.fsdp_param.chunk_numel * item.dtype.itemsize
+            self.block_bytes += -(-chunk // _ALIGN) * _ALIGN
+        self.items.append(item)
+        self.nbytes += item.nbytes
+
+    def takes(self, item: WeightItem, bucket_bytes: int) -> bool:
+        """Whether ``item`` joins this bucket: it fits, and a gathered one shares its group."""
+        if self.items and self.nbytes + item.nbytes > bucket_bytes:
+            return False
+        if not item.gathered or self.group is None or item.group is None:
+            return True
+        return item.group.info.shard_group is self.group and item.group.layout.device == self.device
+
+
+def plan_buckets(
+    module: nn.Module, dtype: torch.dtype | None, bucket_bytes: int, buffers: bool
+) -> list[Bucket]:
+    """The buckets of ``module``'s full weights, in ``state_dict()`` order."""
+    items = _items(module, dtype, buffers)
+    buckets: list[Bucket] = []
+    for item in items:
+        if not buckets or not buckets[-1].takes(item, bucket_bytes):
+            buckets.append(Bucket(len(buckets)))
+        buckets[-1].add(item)
+    return buckets
+
+
+def _items(module: nn.Module, dtype: torch.dtype | None, buffers: bool) -> list[WeightItem]:
+    states = STATES.under(module)
+    for state in states:
+        if state.training_state is not TrainingState.IDLE:
+            raise RuntimeError(
+                f"iter_full_weights cannot run inside forward or backward: fsdp2 module "
+                f"{state.label or type(state.modules[0]).__name__} is in "
+                f"{state.training_state.name}. Call it before forward or after backward"
+            )
+    managed = {
+        id(fsdp_param.sharded_param): (fsdp_param, group)
+        for state in states
+        for group in state.groups
+        for fsdp_param in group.fsdp_params
+    }
+    param_ids = {id(p) for p in module.parameters()}
+    # keep_vars: the registered objects themselves (state_dict's pre-hooks reshard each group
+    # first), so that tied parameters show as one object under several keys.
+    seen: set[int] = set()
+    items = []
+    for name, value in module.state_dict(keep_vars=True).items():
+        if not isinstance(value, torch.Tensor) or id(value) in seen:
+            continue  # extra state, or a tied parameter's second key
+        seen.add(id(value))
+        if id(value) not in param_ids and not buffers:
+            continue
+        fsdp_param, group = managed.get(id(value), (None, None))
+        out_dtype = dtype if dtype is not None and value.dtype.is_floating_point else value.dtype
+        numel = value.numel()  # a DTensor's global numel
+        items.append(
+            WeightItem(name, value, fsdp_param, group, out_dtype, numel * out_dtype.itemsize)
+        )
+    _refuse_extensions(items)
+    return items
+
+
+def _refuse_extensions(items: list[WeightItem]) -> None:
+    """Tensor subclasses (torchao's float8 and NF4 weights, the all-gather extension) have no
+    plain bytes to gather and cast: refused by name, on every rank alike (types are the same
+    on every rank: ``fully_shard`` checked them)."""
+    names = [
+        item.name
+        for item in items
+        if (item.fsdp_param is not None and item.fsdp_param.extension)
+        or type(_local(item.source)) not in (torch.Tensor, nn.Parameter)
+    ]
+    if names:
+        raise NotImplementedError(
+            f"iter_full_weights hands out plain tensors; {', '.join(names)} "
+            f"{'is a tensor subclass' if len(names) == 1 else 'are tensor subclasses'} "
+            "(quantized or all-gather extension weights). Convert them to plain tensors first "
+            "(e.g. dequantize), or gather them yourself with DTensor's full_tensor()"
+        )
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def agreement_groups(buckets: list[Bucket]) -> list[tuple[dist.ProcessGroup, torch.device]]:
+    """The process groups the closing agreement runs over, in an order every rank shares: each
+    dim of each mesh the items live on, so that a status passed along each in turn reaches
+    every rank of those meshes (see [Note: ending together] in full_weights.py)."""
+    found: list[tuple[dist.ProcessGroup, torch.device]] = []
+    for bucket in buckets:
+        for item in bucket.items:
+            if item.fsdp_param is not None:
+                mesh = item.fsdp_param.mesh
+            elif isinstance(item.source, DTensor):
+                mesh = item.source.device_mesh
+            else:
+                continue
+            for axis in range(mesh.ndim):
+                group = mesh.get_group(axis)
+                if group.size() > 1 and all(group is not g for g, _ in found):
+                    found.append((group, device_of(mesh)))
+    return found
