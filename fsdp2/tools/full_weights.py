@@ -245,14 +245,14 @@ class _Bucket:
             device = _mesh_device(item) if item.outer else self.device or local.device
             return local.to(device, item.dtype, copy=True)
         world = out.numel() // self.bucket.block_bytes
-        nbytes = fsdp_param.chunk_numel * item.dtype.itemsize
+        nbytes = fsdp_param.chunk.numel * item.dtype.itemsize
         chunks = out.view(world, -1)[:, item.offset : item.offset + nbytes].view(item.dtype)
         on_device = self.device if self.device is not None and not item.outer else out.device
         full = torch.empty(fsdp_param.shape, dtype=item.dtype, device=on_device)
         if full.dim() == 0:
             full.copy_(chunks[0, 0])
             return full
-        for whole, chunk in fsdp_param.rank_blocks(full.view(-1), chunks):
+        for whole, chunk in fsdp_param.chunk.rank_blocks(full.view(-1), chunks):
             whole.copy_(chunk)  # [Note: sharding another dim] in engine/param.py
         return full
 

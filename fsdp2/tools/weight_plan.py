@@ -10,7 +10,7 @@ most ``bucket_bytes`` (a tensor larger than that is a bucket of its own). The pa
 shards over the same process group are gathered together: each rank packs a block of
 ``block_bytes`` — a 16-byte header (a status code and the rank, see [Note: ending together] in
 full_weights.py), then its chunk of each parameter, cast to the dtype handed out and padded to
-the parameter's ``chunk_numel`` (the same on every rank), each at a 16-byte aligned offset so that
+the parameter's ``chunk.numel`` (the same on every rank), each at a 16-byte aligned offset so that
 the bytes can be viewed in any dtype — and one all-gather brings every rank's block, rank-major.
 Parameters fsdp2 does not split (one rank, ``replicate()``), buffers and tensors fsdp2 does not
 manage need no gather and ride along in whichever bucket they fall in.
@@ -78,7 +78,7 @@ class Bucket:
             self.group = item.group.info.shard_group
             self.device = item.group.layout.device
             item.offset = self.block_bytes
-            chunk = item.fsdp_param.chunk_numel * item.dtype.itemsize
+            chunk = item.fsdp_param.chunk.numel * item.dtype.itemsize
             self.block_bytes += -(-chunk // _ALIGN) * _ALIGN
         self.items.append(item)
         self.nbytes += item.nbytes
@@ -172,7 +172,7 @@ def agreement_groups(buckets: list[Bucket]) -> list[tuple[dist.ProcessGroup, tor
     for bucket in buckets:
         for item in bucket.items:
             if item.fsdp_param is not None:
-                mesh = item.fsdp_param.mesh
+                mesh = item.fsdp_param.chunk.mesh
             elif isinstance(item.source, DTensor):
                 mesh = item.source.device_mesh
             else:
