@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
-from torch.distributed.tensor import DTensor, _dtensor_spec
+from torch.distributed.tensor import DTensor, Replicate, _dtensor_spec
 from torch.utils import dlpack
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
@@ -279,9 +279,27 @@ class FSDPParam:
         self.on_grad_ready = on_grad_ready
 
     def adopt_unsharded(self, param: nn.Parameter) -> None:
-        """Make ``param`` the unsharded parameter, hooked for gradient readiness."""
+        """Make ``param`` the unsharded parameter, hooked for gradient readiness, taking its
+        gradient in the dtype ``RULES.unsharded_grad_as_computed`` says."""
         self.unsharded_param = param
+        if (
+            RULES.unsharded_grad_as_computed
+            and self.requires_grad
+            and self.param_dtype.is_floating_point
+            and self.reduce_dtype.itemsize > self.param_dtype.itemsize
+        ):
+            param.grad_dtype = self.reduce_dtype if self._summed_outside_dp() else None
         self._hook()
+
+    def _summed_outside_dp(self) -> bool:
+        """Whether the gradient may be ``Partial`` on a model-parallel axis (the parameter is
+        replicated there: a SequenceParallel norm's weight), summed there by ``local_grad``."""
+        spec = self.outer_spec
+        return spec is not None and any(
+            isinstance(p, Replicate)
+            for axis, p in enumerate(spec.placements)
+            if axis not in self.chunk.dp_axes
+        )
 
     def _hook(self) -> None:
         param = self.unsharded_param

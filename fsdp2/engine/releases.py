@@ -44,6 +44,13 @@ class ReleaseRules:
     single_collectives: bool
     """``dist.all_gather_single`` / ``dist.reduce_scatter_single`` (2.13 renamed them); before,
     only ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (engine/collectives.py)."""
+    unsharded_grad_as_computed: bool
+    """A parameter computed in a narrower dtype than its gradients are summed in (bf16 compute,
+    fp32 reduce): from 2.15 its unsharded parameter takes the gradient in the dtype autograd
+    computes it in (``grad_dtype=None``), so an op whose backward yields fp32 (a norm's weight)
+    is reduced from fp32; earlier releases round every gradient to ``param_dtype`` first. One
+    whose gradient may be summed over model-parallel ranks first (a DTensor replicated on a
+    non-data-parallel axis) takes it in the reduce dtype instead, so that sum is exact too."""
     stage_finalizes_backward: bool
     """``torch.distributed.pipelining``'s stage ends the microbatches' backward through the
     public ``set_manual_backward_finalization`` / ``finalize_backward`` from 2.15; earlier
@@ -57,6 +64,7 @@ def rules_for(release: tuple[int, int]) -> ReleaseRules:
         release=release,
         reduce_dtype_follows_grad_dtype=from_2_15,
         single_collectives=release >= (2, 13),
+        unsharded_grad_as_computed=from_2_15,
         stage_finalizes_backward=from_2_15,
     )
 

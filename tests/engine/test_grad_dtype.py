@@ -200,3 +200,35 @@ def test_tp_partial_gradient_summed_in_reduce_dtype(impl: str) -> None:
     expected = 1 + TINY if impl == "fsdp2" or TORCH_FOLLOWS else 1.0
     for grad in run_on_ranks(2, _tp_partial_sum, impl):
         assert grad == [expected] * 4
+
+
+class NormNet(nn.Module):
+    """``nn.RMSNorm``'s backward on the CPU yields its bf16 weight's gradient in fp32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm = nn.RMSNorm(8)
+        self.proj = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.norm(x))
+
+
+def _computed_dtype_grads(impl: str) -> dict[str, list[float]]:
+    api = fsdp_api(impl)
+    model = NormNet()
+    api.fully_shard(model, mp_policy=api.MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
+    model(x).float().pow(2).sum().backward()
+    return {n: p.grad.full_tensor().tolist() for n, p in model.named_parameters()}
+
+
+def test_gradient_kept_in_the_dtype_autograd_computes() -> None:
+    """bf16 compute, fp32 reduce: torch 2.15 takes each gradient in the dtype its backward
+    yields (the norm weight's fp32) where earlier releases round it to bf16 first
+    (``RULES.unsharded_grad_as_computed``); fsdp2 matches the installed torch bit for bit
+    (torchtitan's llama drifted one ulp in the gradient norm without it)."""
+    assert run_on_ranks(2, _computed_dtype_grads, "fsdp2") == run_on_ranks(
+        2, _computed_dtype_grads, "torch"
+    )
