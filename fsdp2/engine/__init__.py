@@ -4,14 +4,15 @@ Read the files in the order data flows through them:
 
 - ``module.py``: the methods a sharded module gains (``FSDPModule``; its setters in
   ``module_settings.py``).
-- ``state.py``: the hooks around one ``fully_shard`` call's forward and backward; at each
-  pre-forward ``changes.py`` takes up what the user changed on the module, and
-  ``backward_done.py`` says when a module's backward is done (its inputs' gradients are in).
-  ``registry.py`` finds the states of a module tree.
-- ``iteration.py``: one root's pass (``IterContext``), where every collective of an iteration
-  is decided: which groups to gather now and which to prefetch (coalesced or alone), and
-  ``finish_group``, the one place a group is finished with a backward (reshard, then reduce or
-  stash), and the end of backward.
+- ``state.py``: the hooks around one ``fully_shard`` call's forward and backward, which say
+  *when* (a forward starts, a module's backward is done, the backward ends: the root queues
+  autograd's callback); at each pre-forward ``changes.py`` takes up what the user changed on the
+  module, and ``backward_done.py`` says when a module's backward is done (its inputs' gradients
+  are in). ``registry.py`` finds the states of a module tree.
+- ``iteration.py``: one root's pass (``IterContext``), which knows groups, not states, and
+  decides *what* every collective of an iteration is: which groups to gather now and which to
+  prefetch (coalesced or alone), and ``finish_group``, the one place a group is finished with a
+  backward (reshard, then reduce or stash), and the end of backward.
 - the gather side: ``coalesce.py`` (``Gathers``: a run of small groups in one collective),
   ``param_group.py`` (one call's parameters and their unshard/reshard state machine),
   ``layout.py`` and ``param.py`` (each parameter's place in the group's flat buffers;
