@@ -31,6 +31,7 @@ pytest.importorskip("datasets", reason="needs the integration extra (datasets)")
 
 import torch
 
+from fsdp2.engine.releases import RULES
 from tests.harness import launch_command
 from tests.integration.assets import make_assets
 
@@ -154,6 +155,18 @@ def test_full_dtensor_fsdp_2_ranks(assets: Path, tmp_path: Path) -> None:
     (torchtitan logs twice the partial_dtensor run's loss in this mode, with torch's fully_shard
     as with ours: a reporting matter on its side; the gradient norms are the same.)"""
     mode = {"spmd_backend": "full_dtensor"}
+    ours = titan_run("fsdp2", 2, assets, tmp_path / "fsdp2", **mode)
+    theirs = titan_run("torch", 2, assets, tmp_path / "torch", **mode)
+    assert_same_training(ours, theirs)
+
+
+@pytest.mark.skipif(
+    RULES.release < (2, 14), reason="torchtitan's spmd_types backend needs torch 2.14 or newer"
+)
+def test_spmd_types_fsdp_2_ranks(assets: Path, tmp_path: Path) -> None:
+    """torchtitan's default backend since August (``spmd_types``), beside the torch releases
+    that can run it."""
+    mode = {"spmd_backend": "spmd_types"}
     ours = titan_run("fsdp2", 2, assets, tmp_path / "fsdp2", **mode)
     theirs = titan_run("torch", 2, assets, tmp_path / "torch", **mode)
     assert_same_training(ours, theirs)
