@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import time
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -417,7 +418,14 @@ def _destroyed_group_is_freed() -> bool:
     del group
     event.rank.ring.clear()  # the last few events hold their group, by design (8 at most)
     del event
+    # The barrier's work may still be referenced from gloo's worker thread for a moment after
+    # it returned (seen once on torch 2.15, rank 1): a leak holds the group for good, so give
+    # the backend up to 5 s to let go before calling it one.
+    deadline = time.monotonic() + 5.0
     gc.collect()
+    while ref() is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+        gc.collect()
     return ref() is None
 
 
