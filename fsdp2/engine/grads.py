@@ -3,8 +3,6 @@ sharded parameter (``accumulate_grad``, ``hand_over``)."""
 
 from __future__ import annotations
 
-from typing import cast
-
 import torch
 from torch.distributed.tensor import DTensor, Partial
 
@@ -58,8 +56,9 @@ def local_grad(fsdp_param: FSDPParam, grad: torch.Tensor) -> torch.Tensor:
     after a row-wise layer is summed over tp), but a ``Partial`` on a data-parallel dim is left
     alone: its local tensor is this rank's contribution, which the reduce-scatter sums (or
     averages) over those very ranks. Summing it there first would count it once per rank.
-    A sum over model-parallel ranks runs in the parameter's reduce dtype, as the reduce-scatter
-    does (a SequenceParallel norm's bf16 gradients summed in fp32 under reduce_dtype=fp32)."""
+    A sum over model-parallel ranks runs in the gradient's dtype: from torch 2.15 the reduce
+    dtype, which such a parameter takes its gradient in (``RULES.unsharded_grad_as_computed``),
+    before it the compute dtype, as torch's ``fully_shard`` sums it."""
     if not isinstance(grad, DTensor):
         return grad
     spec = fsdp_param.outer_spec
@@ -74,7 +73,5 @@ def local_grad(fsdp_param: FSDPParam, grad: torch.Tensor) -> torch.Tensor:
         for axis, (have, want) in enumerate(zip(grad.placements, spec.placements, strict=True))
     )
     if grad.placements != target:
-        if any(isinstance(p, Partial) for p in grad.placements):
-            grad = cast(DTensor, grad.to(torch.promote_types(grad.dtype, fsdp_param.reduce_dtype)))
         grad = grad.redistribute(spec.mesh, target)
     return grad._local_tensor
