@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from types import MethodType
-from typing import Any, cast, overload
+from typing import Any, Literal, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,9 @@ ReshardAfterForward = bool | int | None
 PlacementFn = Callable[[nn.Parameter], Any] | None
 IgnoredParams = set[nn.Parameter] | None
 MeshDims = DataParallelMeshDims | None
+# What stays sharded between optimizer steps: see fully_shard and the README's "Memory modes".
+MemoryMode = Literal["zero3", "zero2"]
+MEMORY_MODES = ("zero3", "zero2")
 
 
 @overload
@@ -63,6 +66,7 @@ def fully_shard(
     offload_policy: OffloadPolicy = ...,
     ignored_params: IgnoredParams = ...,
     dp_mesh_dims: MeshDims = ...,
+    memory_mode: MemoryMode = ...,
 ) -> FSDPModule: ...
 
 
@@ -77,6 +81,7 @@ def fully_shard(
     offload_policy: OffloadPolicy = ...,
     ignored_params: IgnoredParams = ...,
     dp_mesh_dims: MeshDims = ...,
+    memory_mode: MemoryMode = ...,
 ) -> list[FSDPModule]: ...
 
 
@@ -90,6 +95,7 @@ def fully_shard(
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: DataParallelMeshDims | None = None,
+    memory_mode: MemoryMode = "zero3",
 ) -> FSDPModule | list[FSDPModule]:
     """Shard ``module``'s parameters over ``mesh``, in place; return it as an ``FSDPModule``.
 
@@ -131,6 +137,14 @@ def fully_shard(
         dp_mesh_dims: on a mesh that also carries other parallelisms (a full SPMD mesh whose
             parameters are already DTensors), the names of its data-parallel dims
             (:class:`DataParallelMeshDims`); ``mesh`` is then that whole mesh.
+        memory_mode: what stays sharded between optimizer steps (not in torch: an fsdp2
+            addition). ``"zero3"`` (default, torch's behaviour): parameters, gradients and
+            optimizer state. ``"zero2"``: gradients and optimizer state only; the gathered
+            parameters stay allocated from one step to the next and are gathered again only
+            when the shards changed (an optimizer step, a state dict loaded), so K
+            micro-batches of accumulation cost one all-gather per step. Implies
+            ``reshard_after_forward=False``. ZeRO-1 is ``"zero2"`` with
+            ``set_requires_gradient_sync(False)`` on all but the last micro-batch.
 
     Returns:
         ``module`` itself, now an :class:`FSDPModule` (a list of them for a list).
@@ -144,6 +158,7 @@ def fully_shard(
     _check_policies(mp_policy, offload_policy)
     mesh = mesh if mesh is not None else default_mesh()
     info = mesh_info(mesh, dp_mesh_dims, who=type(modules[0]).__name__)
+    _check_memory_mode(memory_mode, reshard_after_forward, type(modules[0]).__name__)
     _apply(
         modules,
         info,
@@ -152,6 +167,7 @@ def fully_shard(
         offload_policy,
         ignored_params,
         shard_placement_fn=shard_placement_fn,
+        memory_mode=memory_mode,
     )
     sharded = cast("tuple[FSDPModule, ...]", modules)  # _apply swapped their classes
     return list(sharded) if isinstance(module, list) else sharded[0]
@@ -210,6 +226,7 @@ def _apply(
     ignored_params: set[nn.Parameter] | None,
     kind: type[FSDPModule] = FSDPModule,
     shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
+    memory_mode: str = "zero3",
 ) -> None:
     """Shard ``modules``' unclaimed parameters into groups (one per mesh; normally just
     ``info``'s) and install the runtime."""
@@ -224,6 +241,7 @@ def _apply(
     arguments = (
         f"{info.mesh}, reshard_after_forward={reshard_after_forward!r}, {mp_policy}, "
         f"{offload_policy}"
+        + (f", memory_mode={memory_mode!r}" if memory_mode != "zero3" else "")
         + (f", kept in their dtype: {', '.join(kept_names)}" if kept_names else "")
     )
     fqns = {param: fqn for param, (fqn, _) in slots.items()}
@@ -251,6 +269,15 @@ def _apply(
     by_mesh.clear()
     for each in groups:
         each.meta_on_some_rank = meta_on_some_rank
+        if memory_mode == "zero2":
+            if each.layout.ext_params:
+                names = ", ".join(p.fqn for p in each.layout.ext_params)
+                raise NotImplementedError(
+                    f"fully_shard({label}): memory_mode='zero2' with all-gather extension "
+                    f"parameters ({names}: torchao float8/NF4 and the like) is not supported; "
+                    "shard this module with memory_mode='zero3'"
+                )
+            each.keep_gathered()
     group = groups[0] if groups and groups[0].info is info else None
     params = [p for g in groups for p in g.fsdp_params]
     # Resolved (and validated) before the first change to the modules: a rejected value leaves
@@ -258,6 +285,8 @@ def _apply(
     reshard_after_forward = _resolve_reshard_after_forward(
         reshard_after_forward, info, group, label
     )
+    if memory_mode == "zero2":
+        reshard_after_forward = False  # kept gathered anyway: no reason to re-register
     for fsdp_param in params:
         fsdp_param.register(fsdp_param.sharded_param)
     for param in slots:
@@ -277,6 +306,21 @@ def _apply(
         for each in groups:
             register_state_dict_hooks(mod, each)
         mod.__class__ = _wrapped_class(type(mod), kind, prefix)
+
+
+def _check_memory_mode(mode: object, reshard_after_forward: object, who: str) -> None:
+    if mode not in MEMORY_MODES:
+        raise ValueError(
+            f"fully_shard({who}): memory_mode={mode!r} must be one of {MEMORY_MODES}: 'zero3' "
+            "shards parameters between steps, 'zero2' keeps them gathered (ZeRO-1 is 'zero2' "
+            "with set_requires_gradient_sync(False) on all but the last micro-batch)"
+        )
+    if mode == "zero2" and reshard_after_forward not in (None, False):
+        raise ValueError(
+            f"fully_shard({who}): memory_mode='zero2' keeps the parameters gathered between "
+            f"steps, which reshard_after_forward={reshard_after_forward!r} contradicts; leave "
+            "reshard_after_forward unset (or False)"
+        )
 
 
 def _resolve_reshard_after_forward(

@@ -150,6 +150,7 @@ def _joinable(group: FSDPParamGroup) -> bool:
         and not group.layout.stale
         and ag_joinable(group)
         and group.layout.sharded_flat.device.type != "meta"
+        and not group.still_gathered()  # memory_mode="zero2": nothing to gather
     )
 
 

@@ -112,6 +112,7 @@ class FSDPModule(GroupSettingsMethods):
         arguments."""
         for group in self._groups(recurse=False):
             group.reshard()
+            group.forget_gathered(free=True)
 
     def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
         """Whether resharding keeps the unsharded parameters' storage (their data pointers

@@ -24,6 +24,7 @@ from fsdp2.engine.param import FSDPParam
 from fsdp2.engine.policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from fsdp2.engine.reduce import GradientReducer
 from fsdp2.engine.settings import GroupSettings
+from fsdp2.engine.steps import optimizer_steps, watch_optimizer_steps
 
 __all__ = ["FSDPParamGroup", "InFlightGather", "ShardedState", "SharedOutput", "outside_transforms"]
 
@@ -185,6 +186,46 @@ class FSDPParamGroup:
         self.order_index = 0  # its position in that forward's order
         # Some rank had parameters on meta at fully_shard: lazy init checks (agreement.py).
         self.meta_on_some_rank = False
+        # stay_gathered: the unsharded buffer a finished gather filled, and the shards' key then
+        # ([Note: parameters kept gathered between steps]).
+        self._kept: tuple[torch.Tensor, tuple[int, int]] | None = None
+
+    def keep_gathered(self) -> None:
+        """Keep the gathered copy across reshards from now on (``memory_mode="zero2"``)."""
+        self.settings.stay_gathered = True
+        watch_optimizer_steps()
+
+    def _shard_key(self) -> tuple[int, int]:
+        """What moves whenever the shards may have been written: the optimizer steps so far, and
+        the sum of every parameter's and local tensor's version counter (each only grows)."""
+        versions = 0
+        for p in self.fsdp_params:
+            versions += p.sharded_param._version + p.local_tensor._version
+        return optimizer_steps(), versions
+
+    def still_gathered(self) -> bool:
+        """Whether the kept gathered copy is current: unsharding needs no collective."""
+        kept = self._kept
+        if kept is None:
+            return False
+        flat = self.layout.unsharded_flat
+        if (
+            flat is None
+            or kept[0] is not flat
+            or flat.untyped_storage().nbytes() == 0
+            or kept[1] != self._shard_key()
+        ):
+            self._kept = None
+            return False
+        return True
+
+    def forget_gathered(self, free: bool) -> None:
+        """Stop trusting the kept copy: the next unshard gathers. ``free``: give its memory back
+        too (``FSDPModule.reshard()``, the user's explicit request for it)."""
+        self._kept = None
+        if free and self.state is not ShardedState.UNSHARDED:
+            if not self.settings.keep_unsharded_storage:
+                self.layout.free_unsharded()
 
     @property
     def label(self) -> str:
@@ -215,6 +256,7 @@ class FSDPParamGroup:
         if not self.layout.needs_repack(force):
             return
         self.reshard()
+        self._kept = None  # the buffers it filled are replaced
         self.layout.repack()
 
     def _repack_stale(self) -> None:
@@ -235,7 +277,7 @@ class FSDPParamGroup:
             return
         self._repack_stale()
         layout = self.layout
-        if layout.alias:
+        if layout.alias or self.still_gathered():
             return
         layout.check_materialized()
         if layout.unsharded_flat is None:
@@ -303,6 +345,9 @@ class FSDPParamGroup:
                 out.untyped_storage().resize_(0)
             if shared is not None:
                 shared.release()
+            flat = self.layout.unsharded_flat
+            if self.settings.stay_gathered and flat is not None:
+                self._kept = (flat, self._shard_key())
         for fsdp_param in self.fsdp_params:
             fsdp_param.register(fsdp_param.unsharded_param, replacing=fsdp_param.sharded_param)
         self._enter(ShardedState.UNSHARDED)
@@ -342,7 +387,7 @@ class FSDPParamGroup:
                 fsdp_param.register(fsdp_param.sharded_param, replacing=fsdp_param.unsharded_param)
         self._enter(state)
         self.num_reshards += 1
-        if not self.settings.keep_unsharded_storage:
+        if self._kept is None and not self.settings.keep_unsharded_storage:
             self.layout.free_unsharded()
 
     def guesses_prefetch(self) -> bool:

@@ -31,6 +31,9 @@ class GroupSettings:
     reshard_after_backward: bool = True
     unshard_in_backward: bool = True
     keep_unsharded_storage: bool = False  # reshard keeps the storage (same data pointers)
+    # memory_mode="zero2": the gathered copy outlives each reshard and is gathered again only
+    # once the shards changed ([Note: parameters kept gathered between steps], param_group.py).
+    stay_gathered: bool = False
     # Gather the next group ahead of need: None decides by device ([Note: prefetch order]).
     guess_prefetch: bool | None = None
     # -- gradient reduction

@@ -47,9 +47,10 @@ FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 BROADCAST = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
 
-def _sharded_model(seed: int) -> nn.Module:
+def _sharded_model(seed: int, memory_mode: str = "zero3") -> nn.Module:
     model = build_model(NAME, seed)
-    shard_model(model, NAME, IMPL_UNDER_TEST)
+    kwargs = {"memory_mode": memory_mode} if memory_mode != "zero3" else {}
+    shard_model(model, NAME, IMPL_UNDER_TEST, **kwargs)
     return model
 
 
@@ -127,8 +128,9 @@ def _check_losses(losses: list[float], expected: list[float], world_size: int) -
 # ---------------------------------------------------------------------------------------------
 
 
-def _dcp_resume(ckpt: str) -> dict[str, Any]:
-    model = _sharded_model(MODEL_SEED + 1)  # other values: loading must overwrite them all
+def _dcp_resume(ckpt: str, memory_mode: str = "zero3") -> dict[str, Any]:
+    # Other values: loading must overwrite them all.
+    model = _sharded_model(MODEL_SEED + 1, memory_mode)
     optim = adamw(model.parameters())
     model_sd, optim_sd = get_state_dict(model, optim)
     for key, value in model_sd.items():  # loading reads into the parameters' own storage
@@ -142,6 +144,16 @@ def _dcp_resume(ckpt: str) -> dict[str, Any]:
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_dcp_save_then_load_at_any_world_size(saved: dict[str, Any], world_size: int) -> None:
     resumed = run_on_ranks(world_size, _dcp_resume, saved["ckpt"])[0]
+    _assert_same_state(resumed["full"], saved["full"])
+    _check_losses(resumed["losses"], saved["losses"], world_size)
+
+
+@pytest.mark.skipif(IMPL_UNDER_TEST != "fsdp2", reason="memory_mode is fsdp2's")
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_dcp_resume_in_another_memory_mode(saved: dict[str, Any], world_size: int) -> None:
+    """Saved with parameters sharded between steps (zero3), resumed keeping them gathered
+    (zero2): the same sharded state dicts, and zero2 trains bitwise as zero3."""
+    resumed = run_on_ranks(world_size, _dcp_resume, saved["ckpt"], "zero2")[0]
     _assert_same_state(resumed["full"], saved["full"])
     _check_losses(resumed["losses"], saved["losses"], world_size)
 

@@ -1,0 +1,247 @@
+"""``fully_shard(..., memory_mode="zero2")``: parameters stay gathered between optimizer steps.
+
+ZeRO-2 computes what ZeRO-3 computes from the same gathered values with the same kernels, so the
+two train bitwise alike (fp32 and bf16 mixed precision, FSDP and HSDP, with accumulation); ZeRO-3
+is compared with the single-process reference throughout the suite, and ZeRO-2 is compared with
+it here too at the suite's fp32 tolerance (tests/tolerance.py). What differs is what is
+gathered when: one all-gather round per optimizer step, whatever the number of micro-batches,
+and none while the shards did not change."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import fsdp2
+from tests.errors import raised
+from tests.harness import run_on_ranks
+from tests.parity import CollectiveCounter, adamw, local_batch, shard_model, twins
+from tests.parity.build import global_batch
+from tests.tolerance import FP32_ATOL, FP32_RTOL, PARAM_ATOL
+
+MICRO = 4  # micro-batches per optimizer step
+STEPS = 3
+
+
+def _shard(model: nn.Module, mode: str, bf16: bool, hsdp: bool) -> None:
+    kwargs: dict[str, Any] = {"memory_mode": mode}
+    if bf16:
+        kwargs["mp_policy"] = fsdp2.MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    if hsdp:
+        kwargs["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    shard_model(model, "gpt", **kwargs)
+
+
+def _train(
+    mode: str, bf16: bool = False, hsdp: bool = False, zero1: bool = False
+) -> dict[str, Any]:
+    """``STEPS`` AdamW steps of ``MICRO`` micro-batches each on the GPT; ``zero1``: gradient
+    sync only on the last micro-batch (the ZeRO-1 recipe). Records every micro-batch's loss and
+    collectives, each step's gradients and the final parameters (full)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, _ = twins("gpt")
+    _shard(model, mode, bf16, hsdp)
+    opt = adamw(model.parameters())
+    out: dict[str, Any] = {"losses": [], "counts": [], "grads": [], "kept": []}
+    for step in range(STEPS):
+        for micro in range(MICRO):
+            if zero1:
+                model.set_requires_gradient_sync(micro == MICRO - 1)
+            with CollectiveCounter() as counter:
+                loss = model(*local_batch("gpt", step, micro, rank, world)) / MICRO
+                loss.backward()
+            out["losses"].append(loss.detach().float())
+            out["counts"].append(dict(counter.counts))
+        out["grads"].append([p.grad.full_tensor() for p in model.parameters()])
+        # Between steps the module holds the sharded parameters (what the optimizer and state
+        # dicts see), and zero2 keeps the gathered copies besides.
+        assert all(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
+        out["kept"].append([g.layout.unsharded_nbytes() for g in model._groups(recurse=True)])
+        opt.step()
+        opt.zero_grad()
+    out["params"] = [p.full_tensor() for p in model.parameters()]
+    return out
+
+
+def _same(got: dict[str, Any], ref: dict[str, Any], where: str) -> None:
+    # Bitwise: the same gathered values through the same kernels in the same order.
+    for a, b in zip(got["losses"], ref["losses"], strict=True):
+        assert torch.equal(a, b), where
+    for g, r in zip(got["grads"] + [got["params"]], ref["grads"] + [ref["params"]], strict=True):
+        for a, b in zip(g, r, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=where)
+
+
+@pytest.mark.parametrize(
+    "world, bf16, hsdp", [(2, False, False), (2, True, False), (4, False, True)]
+)
+def test_zero2_trains_as_zero3_with_one_gather_round_per_step(
+    world: int, bf16: bool, hsdp: bool
+) -> None:
+    zero3 = run_on_ranks(world, _train, "zero3", bf16, hsdp)
+    zero2 = run_on_ranks(world, _train, "zero2", bf16, hsdp)
+    for rank, (got, ref) in enumerate(zip(zero2, zero3, strict=True)):
+        where = f"rank {rank}, bf16={bf16}, hsdp={hsdp}"
+        _same(got, ref, where)
+        for step in range(STEPS):
+            counts = got["counts"][step * MICRO : (step + 1) * MICRO]
+            ref_counts = ref["counts"][step * MICRO : (step + 1) * MICRO]
+            # The first micro-batch after an optimizer step gathers (every group, in at most as
+            # many collectives as ZeRO-3's forward); the others gather nothing.
+            assert 0 < counts[0].get("allgather", 0) <= ref_counts[0]["allgather"], where
+            assert [c.get("allgather", 0) for c in counts[1:]] == [0] * (MICRO - 1), where
+            # Gradients: reduced after every micro-batch, as in ZeRO-3.
+            assert [c.get("reducescatter") for c in counts] == [
+                c.get("reducescatter") for c in ref_counts
+            ], where
+        assert all(n > 0 for kept in got["kept"] for n in kept), where
+        assert all(n == 0 for kept in ref["kept"] for n in kept), where
+
+
+def test_zero1_recipe_reduces_once_per_step() -> None:
+    """ZeRO-1 is zero2 with gradient sync on the last micro-batch only: gradients accumulate
+    unsharded, one reduce-scatter round and one gather round per step."""
+    zero3 = run_on_ranks(2, _train, "zero3", False, False, True)
+    zero1 = run_on_ranks(2, _train, "zero2", False, False, True)
+    for rank, (got, ref) in enumerate(zip(zero1, zero3, strict=True)):
+        _same(got, ref, f"rank {rank}")
+        for step in range(STEPS):
+            counts = got["counts"][step * MICRO : (step + 1) * MICRO]
+            assert [c.get("allgather", 0) > 0 for c in counts] == [True] + [False] * (MICRO - 1)
+            assert [c.get("reducescatter", 0) > 0 for c in counts] == [False] * (MICRO - 1) + [True]
+
+
+def _against_reference() -> list[float]:
+    """zero2 with accumulation against one process on the global batch: losses and gradients
+    at the fp32 tolerance, parameters after AdamW at PARAM_ATOL (tests/tolerance.py)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, ref = twins("gpt")
+    shard_model(model, "gpt", memory_mode="zero2")
+    opt, ref_opt = adamw(model.parameters()), adamw(ref.parameters())
+    losses = []
+    for step in range(STEPS):
+        ref_loss = torch.zeros(())
+        loss = torch.zeros(())
+        for micro in range(MICRO):
+            local = model(*local_batch("gpt", step, micro, rank, world)) / MICRO
+            local.backward()
+            loss += local.detach()
+            rows = world * local_batch("gpt", step, micro, rank, world)[0].shape[0]
+            whole = ref(*global_batch("gpt", step, micro, rows)) / MICRO
+            whole.backward()
+            ref_loss += whole.detach()
+        dist.all_reduce(loss)
+        loss /= world
+        torch.testing.assert_close(loss, ref_loss, rtol=FP32_RTOL, atol=FP32_ATOL)
+        for p, r in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.grad.full_tensor(), r.grad, rtol=FP32_RTOL, atol=FP32_ATOL)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        losses.append(loss.item())
+    for p, r in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.full_tensor(), r, rtol=FP32_RTOL, atol=PARAM_ATOL)
+    return losses
+
+
+def test_zero2_against_the_single_process_reference() -> None:
+    losses = run_on_ranks(2, _against_reference)
+    assert losses[0] == losses[1]
+
+
+def _writes_between_steps(mode: str) -> dict[str, Any]:
+    """Every way the shards change between steps must reach the next forward: a state dict
+    loaded, an in-place write under no_grad, a DCP checkpoint loaded in place, an optimizer
+    step; a step the scaler skips changes nothing (and zero2 gathers nothing then)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, _ = twins("gpt")
+    shard_model(model, "gpt", memory_mode=mode)
+    opt = adamw(model.parameters())
+    batch = local_batch("gpt", 0, 0, rank, world)
+    out: dict[str, Any] = {"losses": [], "gathers": []}
+
+    def forward() -> None:
+        with CollectiveCounter() as counter, torch.no_grad():
+            out["losses"].append(model(*batch))
+        out["gathers"].append(counter.counts.get("allgather", 0))
+
+    forward()
+    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model(*batch).backward()
+    opt.step()
+    opt.zero_grad()
+    forward()  # after the step
+    forward()  # nothing changed
+    model.load_state_dict(saved)
+    forward()  # the saved values again
+    with torch.no_grad():
+        next(iter(model.parameters())).mul_(0.5)
+    forward()
+    path = out["path"] = f"/tmp/fsdp2_memory_modes_{world}_{mode}"
+    dcp.save({"model": saved}, checkpoint_id=path)
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=path)  # in place, into the sharded tensors
+    forward()
+    return out
+
+
+def test_no_forward_trains_on_a_stale_gathered_copy() -> None:
+    zero3 = run_on_ranks(2, _writes_between_steps, "zero3")
+    zero2 = run_on_ranks(2, _writes_between_steps, "zero2")
+    for got, ref in zip(zero2, zero3, strict=True):
+        for a, b in zip(got["losses"], ref["losses"], strict=True):
+            assert torch.equal(a, b)
+        # Each change reached the forward: the outputs differ from the step before's.
+        changed = [
+            not torch.equal(a, b)
+            for a, b in zip(ref["losses"][:-1], ref["losses"][1:], strict=True)
+        ]
+        assert changed == [True, False, True, True, True]
+        # zero2 gathers only where something changed (the forward after an unchanged one is
+        # free); zero3 gathers every time.
+        assert [n > 0 for n in got["gathers"]] == [True, True, False, True, True, True]
+        assert all(n > 0 for n in ref["gathers"])
+
+
+def _bad_arguments() -> dict[str, str]:
+    return {
+        "mode": raised(lambda: fsdp2.fully_shard(nn.Linear(2, 2), memory_mode="zero4")),  # type: ignore[arg-type]
+        "raf": raised(
+            lambda: fsdp2.fully_shard(
+                nn.Linear(2, 2), memory_mode="zero2", reshard_after_forward=True
+            )
+        ),
+    }
+
+
+def test_bad_memory_mode_arguments_raise_clear_errors() -> None:
+    errors = run_on_ranks(1, _bad_arguments)[0]
+    assert "memory_mode='zero4' must be one of ('zero3', 'zero2')" in errors["mode"]
+    assert "reshard_after_forward=True contradicts" in errors["raf"]
+
+
+def _explicit_reshard() -> list[int]:
+    model, _ = twins("gpt")
+    shard_model(model, "gpt", memory_mode="zero2")
+    batch = local_batch("gpt", 0, 0, dist.get_rank(), dist.get_world_size())
+    model(*batch).backward()
+    groups = model._groups(recurse=True)
+    before = sum(g.layout.unsharded_nbytes() for g in groups)
+    for module in model.modules():
+        if isinstance(module, fsdp2.FSDPModule):
+            module.reshard()  # the user asks for the memory back
+    return [before, sum(g.layout.unsharded_nbytes() for g in groups)]
+
+
+def test_explicit_reshard_frees_the_kept_copy() -> None:
+    before, after = run_on_ranks(2, _explicit_reshard)[0]
+    assert before > 0 and after == 0
