@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 benchmarks/plan_accuracy.py --model gpt
     python benchmarks/plan_accuracy.py --model llama            # W=1
+    torchrun --standalone --nproc-per-node 2 benchmarks/plan_accuracy.py --memory-mode zero2
 
 Rank 0 plans first (before the process group exists), then every rank trains: two AdamW steps,
 then bytes live (held between steps: params, grads, optimizer state, buffers), then the peak of
@@ -28,6 +29,7 @@ from workloads import DEFAULT_SIZES, MODELS, blocks_of, build_model, make_batch
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
 parser.add_argument("--model", choices=MODELS, default="gpt")
 parser.add_argument("--batch", type=int, default=8, help="global batch (%(default)s)")
+parser.add_argument("--memory-mode", choices=("zero3", "zero2"), default="zero3")
 args = parser.parse_args()
 torch.set_num_threads(1)
 size = DEFAULT_SIZES[args.model]
@@ -39,8 +41,8 @@ local = (inputs.chunk(world)[rank], targets.chunk(world)[rank])
 
 def shard(model: torch.nn.Module) -> None:
     for block in blocks_of(model):
-        fsdp2.fully_shard(block)
-    fsdp2.fully_shard(model)
+        fsdp2.fully_shard(block, memory_mode=args.memory_mode)
+    fsdp2.fully_shard(model, memory_mode=args.memory_mode)
 
 
 plan = fsdp2.plan(

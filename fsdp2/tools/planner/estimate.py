@@ -312,6 +312,16 @@ class Transient:
     # activations are at their peak
 
 
+def _early(g: GroupFacts) -> bool:
+    return g.is_root and not g.reshard_after_forward
+
+
+def _transient_unsharded(g: GroupFacts) -> int:
+    """A group's unsharded buffer as a transient: none if it stays gathered between steps
+    (``Plan.kept_gathered_bytes`` holds it)."""
+    return 0 if g.stay_gathered else g.unsharded_bytes
+
+
 def transient(
     groups: list[GroupFacts], prefetch: bool, budget: int = 0, gloo: bool = False
 ) -> Transient:
@@ -322,18 +332,20 @@ def transient(
     kept = 0  # groups that stay unsharded after their forward
     fwd, fwd_at = 0, ""
     for i, g in enumerate(groups):
-        # Gathering: the collective's output (its bucket's) beside the unsharded buffer.
+        # Gathering: the collective's output (its bucket's) beside the unsharded buffer (held
+        # already if the group stays gathered between steps).
         out = max(step.forward_shared[i], g.unsharded_bytes)
-        now = kept + out + max(g.unsharded_bytes, step.forward_extra[i])
+        now = kept + out + max(_transient_unsharded(g), step.forward_extra[i])
         if now > fwd:
             fwd, fwd_at = now, g.label or "<root>"
         if not g.reshard_after_forward:
-            kept += g.unsharded_bytes
+            kept += _transient_unsharded(g)
     bwd, bwd_at, start = 0, "", 0
     order = list(reversed(groups))
-    # A kept group (the root) may get gradients early (the head's) and is reduced last: count
-    # its unsharded gradients as alive through all of backward.
-    early = sum(g.unsharded_grad_bytes for g in groups if not g.reshard_after_forward)
+    # The root, kept gathered, may get gradients early (the head's) and is reduced last: count
+    # its unsharded gradients as alive through all of backward. Any other group's arrive in its
+    # own backward (kept gathered or not: reshard_after_forward=False, zero2).
+    early = sum(g.unsharded_grad_bytes for g in groups if _early(g))
     gathered = list(reversed(gathered_in_backward(groups, prefetch)))
     stuck = 0  # coalesced outputs a member backward never reaches keeps to its end
     for i, g in enumerate(order):
@@ -341,7 +353,7 @@ def transient(
         if not gathered[i]:
             stuck += step.stuck_after[at]
             continue  # backward never runs it and nothing prefetches it
-        own = g.unsharded_grad_bytes if g.reshard_after_forward else 0
+        own = 0 if _early(g) else g.unsharded_grad_bytes
         again = g.unsharded_bytes if g.reshard_after_forward else 0
         nxt = order[i + 1] if i + 1 < len(order) else None
         # The prefetched gather output of the group before it in forward order.
@@ -356,10 +368,10 @@ def transient(
         computed = kept + early + ahead + held + stuck + shared + again + own
         # Resharded first (a kept group leaves ``kept`` now), then copied into the input.
         if not g.reshard_after_forward:
-            kept -= g.unsharded_bytes
+            kept -= _transient_unsharded(g)
         reducing = kept + early + ahead + held + stuck + shared + own
         reducing += g.reduce_in_bytes + g.reduce_out_bytes + step.reduce_concat[at]
-        if not g.reshard_after_forward:
+        if _early(g):
             early -= g.unsharded_grad_bytes
         if i == 0:
             start = max(gathering, computed)

@@ -63,6 +63,9 @@ class GroupFacts:
     reduce_key: int = 0
     reduce_op: str = "avg"
     unshard_in_backward: bool = True
+    # memory_mode="zero2": the unsharded buffer stays allocated between steps (held, not
+    # transient), and the steady-state step is the first micro-batch after an optimizer step.
+    stay_gathered: bool = False
 
 
 def collect_groups(model: nn.Module) -> list[GroupFacts]:
@@ -105,6 +108,7 @@ def _coalescing(group: FSDPParamGroup, keys: dict[int, int]) -> dict[str, Any]:
         "reduce_key": keys.setdefault(id(reduce_group), len(keys)),
         "reduce_op": "sum" if group.reducer.sums() else "avg",
         "unshard_in_backward": settings.unshard_in_backward,
+        "stay_gathered": settings.stay_gathered,
     }
 
 

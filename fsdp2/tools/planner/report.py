@@ -40,6 +40,7 @@ class Plan:
     grad_flag_bytes: int  # the reduce-scatters' "used" flags, held in the gradients' buffers
     optim_bytes: int
     buffer_bytes: int  # module buffers, whole on every rank
+    kept_gathered_bytes: int  # memory_mode="zero2": the gathered parameters kept between steps
     forward_transient_bytes: int
     forward_transient_at: str
     backward_transient_bytes: int
@@ -58,7 +59,8 @@ class Plan:
     @property
     def held_bytes(self) -> int:
         grads = self.grad_bytes + self.grad_flag_bytes
-        return self.param_bytes + grads + self.optim_bytes + self.buffer_bytes
+        kept = self.kept_gathered_bytes
+        return self.param_bytes + grads + self.optim_bytes + self.buffer_bytes + kept
 
     @property
     def transient_bytes(self) -> int:
@@ -117,6 +119,11 @@ class Plan:
             ("gradient flags (one per parameter)", _mib(self.grad_flag_bytes)),
             (f"optimizer state ({self.optimizer})", _mib(self.optim_bytes)),
             ("buffers", _mib(self.buffer_bytes)),
+            *(
+                [("parameters kept gathered (zero2)", _mib(self.kept_gathered_bytes))]
+                if self.kept_gathered_bytes
+                else []
+            ),
             ("held between steps", _mib(self.held_bytes)),
             (
                 "FSDP transient, forward",

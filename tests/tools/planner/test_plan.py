@@ -36,9 +36,10 @@ pytestmark = pytest.mark.usefixtures("fsdp2_only")
 BF16 = fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def shard_blocks(model: nn.Module, mp: bool = False) -> None:
+def shard_blocks(model: nn.Module, mp: bool = False, mode: str = "zero3") -> None:
     """The tests' usual sharding: each block, then the root."""
     kwargs: dict[str, Any] = {"mp_policy": BF16} if mp else {}
+    kwargs["memory_mode"] = mode
     for block in model.blocks:  # type: ignore[union-attr]
         fsdp2.fully_shard(block, **kwargs)
     fsdp2.fully_shard(model, **kwargs)
@@ -65,8 +66,14 @@ def shard_blocks_grad_dtype(model: nn.Module) -> None:
     shard_blocks(model, mp=True)
 
 
+def shard_blocks_zero2(model: nn.Module) -> None:
+    """Parameters kept gathered between steps (bf16: the kept copies are in param_dtype)."""
+    shard_blocks(model, mp=True, mode="zero2")
+
+
 SHARDERS = {
     "plain": shard_blocks,
+    "zero2": shard_blocks_zero2,
     "bf16": shard_blocks_bf16,
     "hsdp": shard_blocks_hsdp,
     "grad_dtype": shard_blocks_grad_dtype,
@@ -161,6 +168,7 @@ def _real_step(
         "grads": _storage_bytes([p.grad for p in params if p.grad is not None]),
         "optim": _storage_bytes([t for s in opt.state.values() for t in s.values() if t.dim()]),
         "buffers": sum(b.numel() * b.element_size() for b in model.buffers()),
+        "kept": sum(g.layout.unsharded_nbytes() for g in groups.values()),
         "records": [
             (r.kind, r.label, r.input_nbytes, r.output_nbytes, r.world_size) for r in records
         ],
@@ -186,6 +194,8 @@ def _plan(
         ("frozen_first", "plain", 2),
         ("experts", "plain", 4),
         ("experts", "bf16", 2),
+        ("gpt", "zero2", 2),
+        ("odd_shapes", "zero2", 2),
     ],
 )
 def test_plan_matches_real_run(
@@ -209,6 +219,9 @@ def test_plan_matches_real_run(
     assert plan.grad_bytes - plan.grad_padding_bytes == last["grads"]
     assert plan.optim_bytes == real["optim"]
     assert plan.buffer_bytes == real["buffers"]
+    assert plan.kept_gathered_bytes == real["kept"] == last["kept"]
+    if sharder == "zero2" and world_size != 1:
+        assert plan.kept_gathered_bytes > 0
     predicted = [
         (c.kind, c.label, c.input_nbytes, c.output_nbytes, c.world_size) for c in plan.collectives
     ]

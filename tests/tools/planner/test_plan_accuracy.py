@@ -28,8 +28,8 @@ HELD_SLACK_B = 256
 PEAK_RTOL = 0.10
 
 
-def _run(model: str, world: int) -> str:
-    proc = launch(SCRIPT, world, "--model", model, timeout=400)
+def _run(model: str, world: int, mode: str) -> str:
+    proc = launch(SCRIPT, world, "--model", model, "--memory-mode", mode, timeout=400)
     out = proc.stdout + proc.stderr
     if "Error building extension" in out or "Ninja is required" in out:
         pytest.skip("the CPU allocator counter (a C++ extension) cannot be built here")
@@ -39,11 +39,20 @@ def _run(model: str, world: int) -> str:
 
 
 @pytest.mark.parametrize(
-    ("model", "world"),
-    [("gpt", 1), ("gpt", 2), ("gpt", 4), ("llama", 1), ("llama", 2), ("llama", 4)],
+    ("model", "world", "mode"),
+    [
+        ("gpt", 1, "zero3"),
+        ("gpt", 2, "zero3"),
+        ("gpt", 4, "zero3"),
+        ("llama", 1, "zero3"),
+        ("llama", 2, "zero3"),
+        ("llama", 4, "zero3"),
+        ("gpt", 2, "zero2"),  # the gathered copies held between steps
+        ("llama", 4, "zero2"),
+    ],
 )
-def test_plan_predicts_measured_memory(model: str, world: int) -> None:
-    out = _run(model, world)
+def test_plan_predicts_measured_memory(model: str, world: int, mode: str) -> None:
+    out = _run(model, world, mode)
     lines = [r"^held: measured (\d+) B vs planned (\d+) B \+ (\d+) B"]
     if world > 1:
         lines.append(r"^last rank held: measured (\d+) B vs planned (\d+) B \+ (\d+) B")
