@@ -42,7 +42,8 @@ def newton_schulz(
         steps: the number of Newton–Schulz iterations.
         dtype: the dtype of the iteration (the result has it too).
         coefficients: the quintic's ``(a, b, c)``.
-        eps: the Frobenius norm is clamped at it before normalising.
+        eps: the Frobenius norm is clamped at it before normalising (torch's
+            ``max(norm, eps)``; ``norm + eps``, fsdp2's before, scales tiny inputs differently).
     """
     a, b, c = coefficients
     x = g.to(dtype)

@@ -10,6 +10,7 @@ same full matrices (the owner reassembles them exactly), so parameters must matc
 from __future__ import annotations
 
 import copy
+import math
 import os
 import sys
 import tempfile
@@ -28,6 +29,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 sys.path.insert(0, os.path.join(_REPO, "examples"))
 
 NUM_STEPS = 3
+U = 2.0**-24  # fp32's unit roundoff
 GLOBAL_BATCH = 8
 
 
@@ -231,6 +233,75 @@ def test_newton_schulz_against_plain_float64() -> None:
         assert sv.min() > 0.5 and sv.max() < 1.25, sv
         off = core - torch.diag_embed(sv)
         assert off.abs().max() < 1e-4
+
+
+def _muon_steps_f64(
+    p: torch.Tensor, grads: list[torch.Tensor], lr: float, wd: float, plus_eps: bool
+) -> torch.Tensor:
+    """Muon at torch's defaults otherwise, written out in float64: momentum 0.95, Nesterov,
+    the quintic, sqrt(max(1, rows / cols)). The input is divided by ``max(||X||_F, 1e-7)``
+    (torch's), or by ``||X||_F + 1e-7`` with ``plus_eps`` (Keller Jordan's first code, and
+    fsdp2's before it took torch's arguments)."""
+    p, buf = p.double().clone(), torch.zeros_like(p, dtype=torch.float64)
+    rows, cols = p.shape
+    for g in grads:
+        buf = 0.95 * buf + 0.05 * g.double()
+        x = 0.05 * g.double() + 0.95 * buf
+        x = x.mT if rows > cols else x
+        norm = float(torch.linalg.matrix_norm(x))
+        x = x / (norm + 1e-7 if plus_eps else max(norm, 1e-7))
+        for _ in range(5):
+            s = x @ x.mT
+            x = 3.4445 * x - 4.7750 * s @ x + 2.0315 * s @ s @ x
+        x = x.mT if rows > cols else x
+        p = p * (1 - lr * wd) - lr * math.sqrt(max(1, rows / cols)) * x
+    return p
+
+
+@pytest.mark.parametrize("shape", [(8, 16), (16, 8)])
+def test_fp32_steps_against_float64_with_torchs_norm_clamp(shape: tuple[int, int]) -> None:
+    """The default (fp32 Newton–Schulz) is torch.optim.Muon's algorithm to fp32 accuracy, with
+    its normaliser ``max(||X||_F, eps)``. ``||X||_F + eps`` is another algorithm: the input's
+    scale differs by ``eps / ||X||_F``, which ordinary gradients hide under fp32's rounding;
+    on examples/model.py's Llama (dim 128, 4 layers) the attention's key matrices get
+    ||X|| ~ 2e-4, and lr 0.02 moves the two ~1e-5 apart in 5 steps (issue 33). Inputs of norm
+    ~2e-7 to 9e-7 here (above eps: the clamp itself does not act) make the two differ by far
+    more than the rounding bound, which is checked too, so the test tells them apart.
+
+    The bound, first order, u = 2**-24: every iterate's singular values stay in [0, 1.21] (the
+    normalised input's are <= 1, and f(s) = a s + b s^3 + c s^5 maps [0, 1.21] into
+    [0, 1.203]), so its entries too, and there |f'| <= L = 4.25; f is odd, so a perturbation
+    of an iterate grows by at most L per step. The input's own error (the momentum's
+    roundings, ~3 u per entry: every gradient points the same way, so nothing cancels; the
+    norm, a sum of rows*cols squares, and the division: ~(rows*cols / 2 + 5) u in all) grows
+    by L^5; each step's three matmul-adds (sums of <= k + 1 terms, k = the longer side) add
+    3 (k + 1) u, grown by the steps after: sum_{j<5} L^j = (L^5 - 1) / (L - 1)."""
+    from fsdp2.optim import Muon
+
+    rows, cols = shape
+    lr, wd, L, k = 0.02, 0.1, 4.25, max(shape)
+    update_bound = U * (L**5 * (rows * cols / 2 + 5) + 3 * (k + 1) * (L**5 - 1) / (L - 1))
+    scale = math.sqrt(max(1, rows / cols))
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(shape) * 0.02)
+    start = w.detach().clone()
+    direction = torch.randn(shape, generator=gen)
+    opt = Muon([w], lr=lr, weight_decay=wd)
+    grads: list[torch.Tensor] = []
+    bound = 0.0  # on the weights, after the steps so far
+    for step in range(1, 4):
+        w.grad = direction * (2e-6 / float(direction.norm()) * step)
+        grads.append(w.grad.clone())
+        opt.step()
+        # Per step: the update's error, then two roundings of the parameter (decay, then the
+        # add), earlier errors shrunk by the decay.
+        largest = float(w.detach().abs().max())
+        bound += lr * scale * update_bound + 2 * U * (largest + lr * scale)
+        torch_def = _muon_steps_f64(start, grads, lr, wd, plus_eps=False)
+        torch.testing.assert_close(w.detach().double(), torch_def, rtol=0, atol=bound)
+        plus_def = _muon_steps_f64(start, grads, lr, wd, plus_eps=True)
+        assert (plus_def - torch_def).abs().max() > 10 * bound, "the input cannot tell them apart"
 
 
 def _tp_error() -> str:
