@@ -14,7 +14,7 @@ from torch.distributed.fsdp._fully_shard._fully_shard import FSDPModule as Torch
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp2.engine.agreement import check_fully_shard
-from fsdp2.engine.mesh import MeshInfo, default_mesh, device_of, mesh_info
+from fsdp2.engine.mesh import MeshInfo, default_mesh, device_of, hfsdp_info, mesh_info
 from fsdp2.engine.module import (
     FSDPModule,
     GradientReductionHandle,
@@ -51,8 +51,8 @@ PlacementFn = Callable[[nn.Parameter], Any] | None
 IgnoredParams = set[nn.Parameter] | None
 MeshDims = DataParallelMeshDims | None
 # What stays sharded between optimizer steps: see fully_shard and the README's "Memory modes".
-MemoryMode = Literal["zero3", "zero2"]
-MEMORY_MODES = ("zero3", "zero2")
+MemoryMode = Literal["zero3", "zero2", "hfsdp"]
+MEMORY_MODES = ("zero3", "zero2", "hfsdp")
 
 
 @overload
@@ -157,8 +157,12 @@ def fully_shard(
     _check_modules(modules)
     _check_policies(mp_policy, offload_policy)
     mesh = mesh if mesh is not None else default_mesh()
-    info = mesh_info(mesh, dp_mesh_dims, who=type(modules[0]).__name__)
-    _check_memory_mode(memory_mode, reshard_after_forward, type(modules[0]).__name__)
+    who = type(modules[0]).__name__
+    _check_memory_mode(memory_mode, reshard_after_forward, dp_mesh_dims, who)
+    if memory_mode == "hfsdp":
+        info = hfsdp_info(mesh, who)
+    else:
+        info = mesh_info(mesh, dp_mesh_dims, who=who)
     _apply(
         modules,
         info,
@@ -278,6 +282,15 @@ def _apply(
                     "shard this module with memory_mode='zero3'"
                 )
             each.keep_gathered()
+        if memory_mode == "hfsdp":
+            outer = [p.fqn for p in each.fsdp_params if p.outer_spec is not None]
+            if outer or each.layout.ext_params:
+                names = ", ".join(outer or [p.fqn for p in each.layout.ext_params])
+                raise NotImplementedError(
+                    f"fully_shard({label}): memory_mode='hfsdp' with tensor-parallel or "
+                    f"all-gather extension parameters ({names}) is not supported yet; shard "
+                    "this module with memory_mode='zero3'"
+                )
     group = groups[0] if groups and groups[0].info is info else None
     params = [p for g in groups for p in g.fsdp_params]
     # Resolved (and validated) before the first change to the modules: a rejected value leaves
@@ -308,12 +321,27 @@ def _apply(
         mod.__class__ = _wrapped_class(type(mod), kind, prefix)
 
 
-def _check_memory_mode(mode: object, reshard_after_forward: object, who: str) -> None:
+def _check_memory_mode(
+    mode: object, reshard_after_forward: object, dp_mesh_dims: object, who: str
+) -> None:
     if mode not in MEMORY_MODES:
         raise ValueError(
             f"fully_shard({who}): memory_mode={mode!r} must be one of {MEMORY_MODES}: 'zero3' "
             "shards parameters between steps, 'zero2' keeps them gathered (ZeRO-1 is 'zero2' "
-            "with set_requires_gradient_sync(False) on all but the last micro-batch)"
+            "with set_requires_gradient_sync(False) on all but the last micro-batch), 'hfsdp' "
+            "shards everything over both dims of a (replicate, shard) mesh"
+        )
+    if mode == "hfsdp" and dp_mesh_dims is not None:
+        raise NotImplementedError(
+            f"fully_shard({who}): memory_mode='hfsdp' with dp_mesh_dims is not supported yet; "
+            "pass the (replicate, shard) mesh itself"
+        )
+    if mode == "hfsdp" and not (
+        reshard_after_forward is None or isinstance(reshard_after_forward, bool)
+    ):
+        raise NotImplementedError(
+            f"fully_shard({who}): memory_mode='hfsdp' takes reshard_after_forward True, False "
+            f"or None, got {reshard_after_forward!r}"
         )
     if mode == "zero2" and reshard_after_forward not in (None, False):
         raise ValueError(

@@ -139,6 +139,7 @@ def ag_joinable(group: FSDPParamGroup) -> bool:
         and layout.offload is None
         and group.settings.custom_all_gather is None
         and group.settings.k_group is None
+        and group.info.levels is None  # two levels, each its own collective
     )
 
 

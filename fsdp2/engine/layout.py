@@ -323,6 +323,11 @@ class FlatLayout:
                 )
                 sizes = [c * flat.element_size() for c in self._chunk_sizes]
                 targets = [view.view(torch.uint8) for view in self.copy_out_views]
+            elif self.info.levels is not None:  # [Note: two-level gathers]
+                replicas = self.info.levels[0].size()
+                rows = out.view(-1, replicas, self.plain_numel).transpose(0, 1)
+                rows = rows.reshape(self.shard_size, self.plain_numel)
+                sizes, targets = self._chunk_sizes, self.copy_out_views
             else:
                 rows = out.view(self.shard_size, self.plain_numel)
                 sizes, targets = self._chunk_sizes, self.copy_out_views

@@ -4,6 +4,28 @@ The group is the unshard/reshard state machine. It composes the rest: its ``layo
 the flat buffers, [Note: flat layout]), its ``settings`` (settings.py: what the user chose) and its
 ``reducer`` (reduce.py: the gradient side). Every change of ``state`` goes through ``_enter``,
 which checks the state it leaves.
+
+[Note: parameters kept gathered between steps]
+With ``memory_mode="zero2"`` (``GroupSettings.stay_gathered``) a reshard registers the sharded
+parameters as always, so that between steps the module holds what the optimizer and the state
+dict see, but keeps the gathered copy. The next unshard registers that copy again without a
+collective while it is current: its gather recorded a key of what could have changed the
+shards since (``_shard_key``: the optimizer steps counted in steps.py and the parameters'
+version counters), and a different key, a re-pack or a freed buffer means gathering anew. So
+K micro-batches of accumulation cost one all-gather per step, the first forward's after the
+optimizer step, and a state dict loaded between steps is never trained on stale. A state dict
+taken hands out aliases of the shards that a checkpoint may load into in place, below any
+version counter (``dcp.load``), so taking one forgets the kept copy too (state_dict.py).
+
+[Note: two-level gathers]
+With ``memory_mode="hfsdp"`` on a (replicate R, shard S) mesh the parameters are sharded over all
+R x S ranks, so the optimizer steps 1/(R S) of each, and the gradients reach their shards by one
+reduce-scatter over the flattened group. The gather goes in two levels: over the replicate dim,
+this rank's R peers' shards make its shard rank's 1/S (``_replica``), kept from one step to the
+next like zero2's copy, under the same key; then over the shard dim, at every use, as HSDP
+gathers. DTensor nests ``Shard`` over (R, S) in that order, so rank (r, s) holds chunk
+``r * S + s``: the second gather's output comes shard-rank-major and the copy-out reads it
+transposed (layout.py).
 """
 
 from __future__ import annotations
@@ -189,6 +211,11 @@ class FSDPParamGroup:
         # stay_gathered: the unsharded buffer a finished gather filled, and the shards' key then
         # ([Note: parameters kept gathered between steps]).
         self._kept: tuple[torch.Tensor, tuple[int, int]] | None = None
+        # memory_mode="hfsdp": this shard rank's 1/S of the group, gathered over the replicate
+        # dim, and the shards' key then ([Note: two-level gathers]).
+        self._replica: tuple[torch.Tensor, tuple[int, int]] | None = None
+        if info.levels is not None:
+            watch_optimizer_steps()
 
     def keep_gathered(self) -> None:
         """Keep the gathered copy across reshards from now on (``memory_mode="zero2"``)."""
@@ -219,10 +246,18 @@ class FSDPParamGroup:
             return False
         return True
 
+    def kept_nbytes(self) -> int:
+        """Bytes the memory modes keep gathered between steps: zero2's unsharded copy, hfsdp's
+        copy of the first level (0 for zero3)."""
+        if self._replica is not None:
+            return self._replica[0].untyped_storage().nbytes()
+        return self.layout.unsharded_nbytes() if self.settings.stay_gathered else 0
+
     def forget_gathered(self, free: bool) -> None:
-        """Stop trusting the kept copy: the next unshard gathers. ``free``: give its memory back
-        too (``FSDPModule.reshard()``, the user's explicit request for it)."""
+        """Stop trusting the kept copies: the next unshard gathers. ``free``: give their memory
+        back too (``FSDPModule.reshard()``, the user's explicit request for it)."""
         self._kept = None
+        self._replica = None
         if free and self.state is not ShardedState.UNSHARDED:
             if not self.settings.keep_unsharded_storage:
                 self.layout.free_unsharded()
@@ -256,7 +291,7 @@ class FSDPParamGroup:
         if not self.layout.needs_repack(force):
             return
         self.reshard()
-        self._kept = None  # the buffers it filled are replaced
+        self._kept = self._replica = None  # the buffers they hold are replaced
         self.layout.repack()
 
     def _repack_stale(self) -> None:
@@ -289,6 +324,8 @@ class FSDPParamGroup:
         packing = None
         if self._k_block is not None:
             source, group = self._k_block, self.settings.k_group
+        elif self.info.levels is not None:
+            source, group = self._replica_gathered(), self.info.levels[1]
         else:
             source, packing = layout.gather_source()
             group = self.info.shard_group
@@ -312,6 +349,24 @@ class FSDPParamGroup:
             out = source.new_empty(out_numel)
         pending = self.all_gather(out, source, group, layout.label, comm)
         self._gather = InFlightGather(pending, out, packing, comm is None)
+
+    def _replica_gathered(self) -> torch.Tensor:
+        """hfsdp: the first level of the gather ([Note: two-level gathers])."""
+        key = self._shard_key()
+        if self._replica is not None and self._replica[1] == key:
+            return self._replica[0]
+        self._replica = None  # a stale copy is not kept beside the new one
+        levels = self.info.levels
+        if levels is None:
+            raise AssertionError(f"group {self.label!r}: a two-level gather without levels")
+        source, _ = self.layout.gather_source()
+        out = source.new_empty(levels[0].size() * source.numel())
+        if levels[0].size() == 1:
+            out.copy_(source)
+        else:
+            self.all_gather(out, source, levels[0], self.layout.label, None).wait()
+        self._replica = (out, key)
+        return out
 
     def start_shared_gather(self, gather: InFlightGather) -> None:
         """Take this group's part of a coalesced gather (coalesce.py) as its gather under way."""

@@ -17,8 +17,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 import fsdp2
+from fsdp2.engine.collectives import record_collectives
 from tests.errors import raised
 from tests.harness import run_on_ranks
 from tests.parity import CollectiveCounter, adamw, local_batch, shard_model, twins
@@ -30,6 +32,8 @@ STEPS = 3
 
 
 def _shard(model: nn.Module, mode: str, bf16: bool, hsdp: bool) -> None:
+    """``mode``: a memory mode, or "flat": zero3 over the 2-D mesh flattened into one dim,
+    which lays parameters out exactly as hfsdp does."""
     kwargs: dict[str, Any] = {"memory_mode": mode}
     if bf16:
         kwargs["mp_policy"] = fsdp2.MixedPrecisionPolicy(
@@ -37,6 +41,9 @@ def _shard(model: nn.Module, mode: str, bf16: bool, hsdp: bool) -> None:
         )
     if hsdp:
         kwargs["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    if mode == "flat":
+        kwargs["memory_mode"] = "zero3"
+        kwargs["mesh"] = kwargs["mesh"]._flatten()
     shard_model(model, "gpt", **kwargs)
 
 
@@ -50,16 +57,20 @@ def _train(
     model, _ = twins("gpt")
     _shard(model, mode, bf16, hsdp)
     opt = adamw(model.parameters())
-    out: dict[str, Any] = {"losses": [], "counts": [], "grads": [], "kept": []}
+    out: dict[str, Any] = {"losses": [], "counts": [], "grads": [], "kept": [], "records": []}
+    levels = model._groups(recurse=False)[0].info.levels
+    if levels is not None:  # hfsdp: the groups of its two gathers
+        out["groups"] = [group.group_name for group in levels]
     for step in range(STEPS):
         for micro in range(MICRO):
             if zero1:
                 model.set_requires_gradient_sync(micro == MICRO - 1)
-            with CollectiveCounter() as counter:
+            with CollectiveCounter() as counter, record_collectives() as records:
                 loss = model(*local_batch("gpt", step, micro, rank, world)) / MICRO
                 loss.backward()
             out["losses"].append(loss.detach().float())
             out["counts"].append(dict(counter.counts))
+            out["records"].append([(r.kind, r.group) for r in records])
         out["grads"].append([p.grad.full_tensor() for p in model.parameters()])
         # Between steps the module holds the sharded parameters (what the optimizer and state
         # dicts see), and zero2 keeps the gathered copies besides.
@@ -68,6 +79,12 @@ def _train(
         opt.step()
         opt.zero_grad()
     out["params"] = [p.full_tensor() for p in model.parameters()]
+    out["optim_bytes"] = sum(
+        t.to_local().numel() * t.element_size()
+        for state in opt.state.values()
+        for t in state.values()
+        if isinstance(t, DTensor)
+    )
     return out
 
 
@@ -119,12 +136,12 @@ def test_zero1_recipe_reduces_once_per_step() -> None:
             assert [c.get("reducescatter", 0) > 0 for c in counts] == [False] * (MICRO - 1) + [True]
 
 
-def _against_reference() -> list[float]:
-    """zero2 with accumulation against one process on the global batch: losses and gradients
-    at the fp32 tolerance, parameters after AdamW at PARAM_ATOL (tests/tolerance.py)."""
+def _against_reference(mode: str) -> list[float]:
+    """``mode`` with accumulation against one process on the global batch: losses and
+    gradients at the fp32 tolerance, parameters after AdamW at PARAM_ATOL (tests/tolerance.py)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model, ref = twins("gpt")
-    shard_model(model, "gpt", memory_mode="zero2")
+    _shard(model, mode, False, hsdp=world == 4)
     opt, ref_opt = adamw(model.parameters()), adamw(ref.parameters())
     losses = []
     for step in range(STEPS):
@@ -153,18 +170,19 @@ def _against_reference() -> list[float]:
     return losses
 
 
-def test_zero2_against_the_single_process_reference() -> None:
-    losses = run_on_ranks(2, _against_reference)
-    assert losses[0] == losses[1]
+@pytest.mark.parametrize("mode, world", [("zero2", 2), ("hfsdp", 4)])
+def test_against_the_single_process_reference(mode: str, world: int) -> None:
+    losses = run_on_ranks(world, _against_reference, mode)
+    assert all(each == losses[0] for each in losses)
 
 
-def _writes_between_steps(mode: str) -> dict[str, Any]:
+def _writes_between_steps(mode: str, hsdp: bool = False) -> dict[str, Any]:
     """Every way the shards change between steps must reach the next forward: a state dict
     loaded, an in-place write under no_grad, a DCP checkpoint loaded in place, an optimizer
     step; a step the scaler skips changes nothing (and zero2 gathers nothing then)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model, _ = twins("gpt")
-    shard_model(model, "gpt", memory_mode=mode)
+    _shard(model, mode, False, hsdp)
     opt = adamw(model.parameters())
     batch = local_batch("gpt", 0, 0, rank, world)
     out: dict[str, Any] = {"losses": [], "gathers": []}
@@ -212,9 +230,25 @@ def test_no_forward_trains_on_a_stale_gathered_copy() -> None:
         assert all(n > 0 for n in ref["gathers"])
 
 
+def test_hfsdp_never_gathers_a_stale_replica_copy() -> None:
+    """The same writes between steps under hfsdp (4 ranks, 2 x 2): its copy over the replicate
+    dim is gathered again after each, so every forward sees what HSDP's sees."""
+    hsdp = run_on_ranks(4, _writes_between_steps, "zero3", True)
+    hfsdp = run_on_ranks(4, _writes_between_steps, "hfsdp", True)
+    for got, ref in zip(hfsdp, hsdp, strict=True):
+        for a, b in zip(got["losses"], ref["losses"], strict=True):
+            torch.testing.assert_close(a, b, rtol=FP32_RTOL, atol=FP32_ATOL)
+        changed = [
+            not torch.equal(a, b)
+            for a, b in zip(got["losses"][:-1], got["losses"][1:], strict=True)
+        ]
+        assert changed == [True, False, True, True, True]
+
+
 def _bad_arguments() -> dict[str, str]:
     return {
         "mode": raised(lambda: fsdp2.fully_shard(nn.Linear(2, 2), memory_mode="zero4")),  # type: ignore[arg-type]
+        "hfsdp 1-D": raised(lambda: fsdp2.fully_shard(nn.Linear(2, 2), memory_mode="hfsdp")),
         "raf": raised(
             lambda: fsdp2.fully_shard(
                 nn.Linear(2, 2), memory_mode="zero2", reshard_after_forward=True
@@ -225,8 +259,9 @@ def _bad_arguments() -> dict[str, str]:
 
 def test_bad_memory_mode_arguments_raise_clear_errors() -> None:
     errors = run_on_ranks(1, _bad_arguments)[0]
-    assert "memory_mode='zero4' must be one of ('zero3', 'zero2')" in errors["mode"]
+    assert "memory_mode='zero4' must be one of ('zero3', 'zero2', 'hfsdp')" in errors["mode"]
     assert "reshard_after_forward=True contradicts" in errors["raf"]
+    assert "memory_mode='hfsdp' needs a 2-D mesh with named dims" in errors["hfsdp 1-D"]
 
 
 def _explicit_reshard() -> list[int]:
@@ -245,3 +280,25 @@ def _explicit_reshard() -> list[int]:
 def test_explicit_reshard_frees_the_kept_copy() -> None:
     before, after = run_on_ranks(2, _explicit_reshard)[0]
     assert before > 0 and after == 0
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_hfsdp_trains_as_fsdp_over_both_dims(bf16: bool) -> None:
+    """hfsdp lays parameters, gradients and optimizer state out as zero3 over the flattened
+    (replicate, shard) mesh and reduces the same way; only the gather goes in two levels, to
+    the same values: bitwise the same training. Per step, gathers over the replicate dim only
+    in the first micro-batch; every other gather over the shard dim, and no all-reduce.
+    Optimizer state: HSDP's over the replicas, to the byte (every size here splits evenly)."""
+    flat = run_on_ranks(4, _train, "flat", bf16, True)
+    hfsdp = run_on_ranks(4, _train, "hfsdp", bf16, True)
+    hsdp = run_on_ranks(4, _train, "zero3", bf16, True)
+    for rank, (got, ref) in enumerate(zip(hfsdp, flat, strict=True)):
+        where = f"rank {rank}, bf16={bf16}"
+        _same(got, ref, where)
+        replicate, shard = got["groups"]
+        for micro, records in enumerate(got["records"]):
+            gathers = {group for kind, group in records if kind == "all_gather"}
+            first = micro % MICRO == 0
+            assert gathers == ({replicate, shard} if first else {shard}), (where, micro)
+            assert "all_reduce" not in {kind for kind, _ in records}, where
+        assert got["optim_bytes"] * 2 == hsdp[rank]["optim_bytes"], where

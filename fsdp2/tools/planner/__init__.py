@@ -148,6 +148,11 @@ def _plan_one(
             "memory_mode='zero2': the collectives are those of the first micro-batch after an "
             "optimizer step; later micro-batches of the step gather nothing"
         )
+    if any(g.replica_world for g in groups):
+        notes.append(
+            "memory_mode='hfsdp': the collectives are those of the first micro-batch after an "
+            "optimizer step; later micro-batches of the step gather over the shard dim only"
+        )
     moves = transient(groups, prefetch=device != "cpu", budget=budget, gloo=device == "cpu")
     return Plan(
         world_size=shape,
@@ -160,7 +165,7 @@ def _plan_one(
         grad_flag_bytes=sum(g.grad_flag_bytes for g in groups),
         optim_bytes=_optimizer_bytes(groups, optimizer),
         buffer_bytes=buffers,
-        kept_gathered_bytes=sum(g.unsharded_bytes for g in groups if g.stay_gathered),
+        kept_gathered_bytes=sum(g.kept_bytes for g in groups),
         forward_transient_bytes=moves.forward_bytes,
         forward_transient_at=moves.forward_at,
         backward_transient_bytes=moves.backward_bytes,

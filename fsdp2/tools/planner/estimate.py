@@ -180,7 +180,7 @@ class Schedule:
             self.gathered[k] = True
         members = [groups[k] for k in bucket]
         if not joins:
-            self.out.append(_gather(g, backward))
+            self.out.extend(_gathers(g, backward))
             total = g.unsharded_bytes
         else:  # one collective of fixed-size send buffers, even for a bucket of one
             send = self._per_rank(g)
@@ -292,12 +292,19 @@ def gathered_in_backward(groups: list[GroupFacts], prefetch: bool) -> list[bool]
     return out
 
 
-def _gather(g: GroupFacts, backward: bool) -> Collective:
+def _gathers(g: GroupFacts, backward: bool) -> list[Collective]:
     if backward and g.partial_k:  # k ranks, each sending W/k chunks
         per_rank = g.gather_in_bytes * (g.shard_world // g.partial_k)
-        return Collective("all_gather", g.label, per_rank, per_rank * g.partial_k, g.partial_k)
+        return [Collective("all_gather", g.label, per_rank, per_rank * g.partial_k, g.partial_k)]
     out = g.gather_in_bytes * g.shard_world
-    return Collective("all_gather", g.label, g.gather_in_bytes, out, g.shard_world)
+    if g.replica_world:  # hfsdp: over the replicas once per step (forward), then the shard dim
+        replicas = g.replica_world
+        first = g.gather_in_bytes * replicas
+        second = Collective("all_gather", g.label, first, out, g.shard_world // replicas)
+        if backward or replicas == 1:
+            return [second]
+        return [Collective("all_gather", g.label, g.gather_in_bytes, first, replicas), second]
+    return [Collective("all_gather", g.label, g.gather_in_bytes, out, g.shard_world)]
 
 
 @dataclass(frozen=True)
@@ -335,7 +342,8 @@ def transient(
         # Gathering: the collective's output (its bucket's) beside the unsharded buffer (held
         # already if the group stays gathered between steps).
         out = max(step.forward_shared[i], g.unsharded_bytes)
-        now = kept + out + max(_transient_unsharded(g), step.forward_extra[i])
+        own = _transient_unsharded(g) + g.copy_extra_bytes
+        now = kept + out + max(own, step.forward_extra[i])
         if now > fwd:
             fwd, fwd_at = now, g.label or "<root>"
         if not g.reshard_after_forward:
@@ -362,7 +370,8 @@ def transient(
         base = kept + early + ahead + held + stuck
         # Its output (or its bucket's) beside, while it runs, what the collective adds, then
         # beside its unsharded buffer as it copies out
-        gathering = base + step.backward_shared[at] + max(again, step.backward_extra[at])
+        copy = g.copy_extra_bytes if again else 0  # hfsdp's transposed copy-out
+        gathering = base + step.backward_shared[at] + max(again + copy, step.backward_extra[at])
         shared = step.shared_after[at]  # its bucket's output, for members still to copy out
         stuck += step.stuck_after[at]
         computed = kept + early + ahead + held + stuck + shared + again + own

@@ -66,6 +66,12 @@ class GroupFacts:
     # memory_mode="zero2": the unsharded buffer stays allocated between steps (held, not
     # transient), and the steady-state step is the first micro-batch after an optimizer step.
     stay_gathered: bool = False
+    # memory_mode="hfsdp": the replicas its first-level gather spans (0: one-level gathers); the
+    # copy of that level kept between steps, and the transposed copy-out's buffer.
+    replica_world: int = 0
+    copy_extra_bytes: int = 0
+    # Bytes gathered and kept between steps: zero2's unsharded copy, or hfsdp's 1/S.
+    kept_bytes: int = 0
 
 
 def collect_groups(model: nn.Module) -> list[GroupFacts]:
@@ -109,6 +115,26 @@ def _coalescing(group: FSDPParamGroup, keys: dict[int, int]) -> dict[str, Any]:
         "reduce_op": "sum" if group.reducer.sums() else "avg",
         "unshard_in_backward": settings.unshard_in_backward,
         "stay_gathered": settings.stay_gathered,
+        **_kept(group),
+    }
+
+
+def _kept(group: FSDPParamGroup) -> dict[str, int]:
+    """What the memory modes keep gathered between steps ([Note: parameters kept gathered
+    between steps], [Note: two-level gathers]), and hfsdp's copy-out buffer."""
+    layout = group.layout
+    gather_unit = 1 if layout.mixed else layout.param_dtype.itemsize
+    if group.settings.stay_gathered and not layout.alias:
+        return {"kept_bytes": group.shard_size * layout.plain_numel * gather_unit}
+    levels = group.info.levels
+    if levels is None or group.shard_size == 1:
+        return {}
+    replicas = levels[0].size()
+    send = layout.plain_numel * gather_unit
+    return {
+        "replica_world": replicas,
+        "kept_bytes": replicas * send,
+        "copy_extra_bytes": group.shard_size * send,
     }
 
 

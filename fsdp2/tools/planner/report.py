@@ -40,7 +40,7 @@ class Plan:
     grad_flag_bytes: int  # the reduce-scatters' "used" flags, held in the gradients' buffers
     optim_bytes: int
     buffer_bytes: int  # module buffers, whole on every rank
-    kept_gathered_bytes: int  # memory_mode="zero2": the gathered parameters kept between steps
+    kept_gathered_bytes: int  # memory modes: parameters kept gathered between steps (zero2, hfsdp)
     forward_transient_bytes: int
     forward_transient_at: str
     backward_transient_bytes: int
@@ -120,7 +120,7 @@ class Plan:
             (f"optimizer state ({self.optimizer})", _mib(self.optim_bytes)),
             ("buffers", _mib(self.buffer_bytes)),
             *(
-                [("parameters kept gathered (zero2)", _mib(self.kept_gathered_bytes))]
+                [("parameters kept gathered (zero2, hfsdp)", _mib(self.kept_gathered_bytes))]
                 if self.kept_gathered_bytes
                 else []
             ),

@@ -49,6 +49,7 @@ def _run(model: str, world: int, mode: str) -> str:
         ("llama", 4, "zero3"),
         ("gpt", 2, "zero2"),  # the gathered copies held between steps
         ("llama", 4, "zero2"),
+        ("gpt", 4, "hfsdp"),  # on a 2 x 2 mesh: the first level's copy held between steps
     ],
 )
 def test_plan_predicts_measured_memory(model: str, world: int, mode: str) -> None:
