@@ -9,7 +9,14 @@ Every contender trains the same model from the same init on the same global batc
   torch   torch.distributed.fsdp.fully_shard, applied the same way
   ddp     DistributedDataParallel
   single  the plain model on this rank's slice of the batch, no communication (the lower bound)
+  fsdp2-zero2  fsdp2 with memory_mode="zero2" (parameters kept gathered between steps)
+  fsdp2-zero1  the same, gradient sync on the last micro-batch only (the ZeRO-1 recipe)
+  fsdp2-hfsdp  fsdp2 with memory_mode="hfsdp" (needs --replicas)
+With --replicas R the sharded contenders run on a (R, W/R) mesh: HSDP, or HFSDP.
 plus a second, separately built `torch` whose distance from the first is the noise floor.
+With --accumulate K each step is K micro-batches (the rank's slice cut in K): `ddp` syncs on the
+last only (`no_sync` before), as accumulating DDP users write it; `ddp-sync` and the sharded
+ones reduce every one.
 With --collective-checks, also `fsdp2+checks`: fsdp2 with FSDP2_CHECK_COLLECTIVES on for its steps.
 See benchmarks/README.md for what each column means.
 """
@@ -17,6 +24,7 @@ See benchmarks/README.md for what each column means.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import inspect
 import json
@@ -57,6 +65,12 @@ parser.add_argument("--dim", type=int, help="width (default: mlp-stack 64, gpt/l
 parser.add_argument("--heads", type=int, help="attention heads (gpt/llama, default 4)")
 parser.add_argument("--seq", type=int, help="sequence length (gpt/llama, default 64)")
 parser.add_argument("--batch", type=int, default=16, help="global batch (%(default)s)")
+parser.add_argument(
+    "--accumulate", type=int, default=1, help="micro-batches per step (%(default)s)"
+)
+parser.add_argument(
+    "--replicas", type=int, default=0, help="a (R, W/R) mesh for the sharded ones (%(default)s)"
+)
 parser.add_argument("--contenders", default="fsdp2,torch,ddp,single", help="(%(default)s)")
 parser.add_argument("--warmup", type=int, default=3, help="untimed steps each (%(default)s)")
 parser.add_argument("--rounds", type=int, default=10, help="timing rounds, ≥5 (%(default)s)")
@@ -95,8 +109,20 @@ if args.collective_checks and "fsdp2" in names:
     names.insert(names.index("fsdp2") + 1, "fsdp2+checks")
 if args.coalesce_off and "fsdp2" in names:
     names.insert(names.index("fsdp2") + 1, "fsdp2-off")
-if unknown := set(names) - {"fsdp2", "fsdp2+checks", "fsdp2-off", "torch", "ddp", "single"}:
-    raise ValueError(f"--contenders: unknown {sorted(unknown)}; pick from fsdp2,torch,ddp,single")
+KNOWN = {
+    "fsdp2",
+    "fsdp2+checks",
+    "fsdp2-off",
+    "fsdp2-zero2",
+    "fsdp2-zero1",
+    "fsdp2-hfsdp",
+    "torch",
+    "ddp",
+    "ddp-sync",
+    "single",
+}
+if unknown := set(names) - KNOWN:
+    raise ValueError(f"--contenders: unknown {sorted(unknown)}; pick from {sorted(KNOWN)}")
 if args.rounds < 5:
     raise ValueError(f"--rounds must be at least 5 for a meaningful median, got {args.rounds}")
 
@@ -120,8 +146,11 @@ rank, world_size = dist.get_rank(), dist.get_world_size()
 # One thread per rank, also at W=1: these ops are too small for intra-op threads to pay, and on a
 # busy 2-core machine idle OpenMP threads spin against the ranks (W=1 with 2 threads: 10× slower).
 torch.set_num_threads(args.threads)
-if args.batch % world_size:
-    raise ValueError(f"--batch {args.batch} must be divisible by the world size {world_size}")
+if args.batch % (world_size * args.accumulate):
+    raise ValueError(
+        f"--batch {args.batch} must be divisible by the world size {world_size} times "
+        f"--accumulate {args.accumulate}"
+    )
 inputs, targets = make_batch(args.model, size, args.batch)
 local = slice(rank * args.batch // world_size, (rank + 1) * args.batch // world_size)
 inputs, targets = inputs[local], targets[local]  # every contender sees this rank's slice
@@ -134,6 +163,12 @@ if "fsdp2" in names and fsdp2_fully_shard is None:
         print(f"skipping fsdp2 (not importable yet): {fsdp2_missing}")
 if "torch" in names:
     names.append("torch#2")  # a second torch, built separately: torch vs torch is the noise floor
+hsdp_mesh = None
+if args.replicas:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (args.replicas, world_size // args.replicas)
+    hsdp_mesh = init_device_mesh(args.device, shape, mesh_dim_names=("replicate", "shard"))
 # Compile the allocator counter now, not after a minute of timing (g++, ~15 s the first time).
 cpu_memory = None if args.no_memory or device is not None else CPUMemory()
 
@@ -154,12 +189,18 @@ def build(name: str) -> Contender:
     model = build_model(args.model, size)
     if device is not None:
         model = model.to(device)
+    mesh = {"mesh": hsdp_mesh} if hsdp_mesh is not None else {}
     if name in ("fsdp2", "fsdp2+checks", "fsdp2-off", "torch", "torch#2"):
         shard = fsdp2_fully_shard if name.startswith("fsdp2") else torch_fully_shard
         for block in blocks_of(model):
-            shard(block)
-        shard(model)
-    elif name == "ddp":
+            shard(block, **mesh)
+        shard(model, **mesh)
+    elif name in ("fsdp2-zero2", "fsdp2-zero1", "fsdp2-hfsdp"):
+        mode = "hfsdp" if name == "fsdp2-hfsdp" else "zero2"
+        for block in blocks_of(model):
+            fsdp2_fully_shard(block, memory_mode=mode, **mesh)
+        fsdp2_fully_shard(model, memory_mode=mode, **mesh)
+    elif name in ("ddp", "ddp-sync"):
         # Our buffers (Llama's rotary table) never change: don't broadcast them every step.
         new_kwarg = "forward_sync_buffers" in inspect.signature(DDP).parameters
         model = DDP(model, **{"forward_sync_buffers" if new_kwarg else "broadcast_buffers": False})
@@ -175,8 +216,15 @@ def train_step(c: Contender) -> None:
     if fsdp2_fully_shard is not None:
         fsdp2.set_collective_checks(c.name == "fsdp2+checks")
         fsdp2.set_coalesce_bytes(0 if c.name == "fsdp2-off" else coalesce_budget)
-    _, loss = c.model(inputs, targets)
-    loss.backward()
+    micro = args.accumulate
+    for i, (x, y) in enumerate(zip(inputs.chunk(micro), targets.chunk(micro), strict=True)):
+        last = i == micro - 1
+        if c.name == "fsdp2-zero1":
+            c.model.set_requires_gradient_sync(last)
+        sync = c.model.no_sync() if c.name == "ddp" and not last else contextlib.nullcontext()
+        with sync:
+            _, loss = c.model(x, y)
+            (loss / micro).backward()
     c.opt.step()
     c.opt.zero_grad(set_to_none=True)
     c.loss = loss.detach()
@@ -329,9 +377,21 @@ block_bytes = param_bytes(list(blocks_of(plain)))
 share = (world_size - 1) / world_size
 # FSDP's least traffic: all-gather each block in forward and again in backward (it reshards after
 # forward), the root once (it stays unsharded for backward), reduce-scatter every gradient once.
+# Per step of K micro-batches: ZeRO-3 gathers and reduces every micro-batch; zero2 gathers once
+# and reduces every micro-batch; zero1 and DDP (no_sync) gather and reduce once.
+K = args.accumulate
+R = args.replicas or 1
+S = world_size // R
 min_wire = {
-    "fsdp": (2 * block_bytes + (total_bytes - block_bytes) + total_bytes) * share,
+    "fsdp": K * (2 * block_bytes + (total_bytes - block_bytes) + total_bytes) * share,
+    "fsdp2-zero2": (1 + K) * total_bytes * share,
+    "fsdp2-zero1": 2 * total_bytes * share,
+    # hfsdp: its 1/S over the replicas once; per micro-batch each block twice and the root
+    # once over the shard dim, and every gradient reduce-scattered over all ranks.
+    "fsdp2-hfsdp": total_bytes * (R - 1) / (R * S)
+    + K * ((2 * block_bytes + (total_bytes - block_bytes)) * (S - 1) / S + total_bytes * share),
     "ddp": 2 * total_bytes * share,  # ring all-reduce of every gradient
+    "ddp-sync": K * 2 * total_bytes * share,
     "single": 0.0,
 }
 
@@ -386,7 +446,7 @@ def vs(value: float | None, ref: float | None, unit: str = "×") -> str:
 torch_ref = results.get("torch")
 title = (
     f"{args.model}: {total_bytes / MiB:.2f} MiB fp32 params in {len(blocks_of(plain))} blocks + "
-    f"root, global batch {args.batch}, W={world_size} ({backend}), {torch.get_num_threads()} "
+    f"root, global batch {args.batch} in {K} micro-batch(es), W={world_size} ({backend}), {torch.get_num_threads()} "
     f"thread(s)/rank, torch {torch.__version__}"
 )
 table = Table(title=title)
@@ -446,6 +506,7 @@ if args.json:
         "model": args.model,
         "size": asdict(size),
         "batch": args.batch,
+        "accumulate": args.accumulate,
         "world_size": world_size,
         "threads_per_rank": torch.get_num_threads(),
         "torch": torch.__version__,

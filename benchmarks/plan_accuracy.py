@@ -3,6 +3,7 @@
     torchrun --standalone --nproc-per-node 2 benchmarks/plan_accuracy.py --model gpt
     python benchmarks/plan_accuracy.py --model llama            # W=1
     torchrun --standalone --nproc-per-node 2 benchmarks/plan_accuracy.py --memory-mode zero2
+    torchrun --standalone --nproc-per-node 4 benchmarks/plan_accuracy.py --memory-mode hfsdp
 
 Rank 0 plans first (before the process group exists), then every rank trains: two AdamW steps,
 then bytes live (held between steps: params, grads, optimizer state, buffers), then the peak of
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fsdp2 from this checkout
 import fsdp2
@@ -29,7 +31,12 @@ from workloads import DEFAULT_SIZES, MODELS, blocks_of, build_model, make_batch
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
 parser.add_argument("--model", choices=MODELS, default="gpt")
 parser.add_argument("--batch", type=int, default=8, help="global batch (%(default)s)")
-parser.add_argument("--memory-mode", choices=("zero3", "zero2"), default="zero3")
+parser.add_argument(
+    "--memory-mode",
+    choices=("zero3", "zero2", "hfsdp"),
+    default="zero3",
+    help="hfsdp: on a (2, W/2) mesh (%(default)s)",
+)
 args = parser.parse_args()
 torch.set_num_threads(1)
 size = DEFAULT_SIZES[args.model]
@@ -39,17 +46,22 @@ inputs, targets = make_batch(args.model, size, args.batch)
 local = (inputs.chunk(world)[rank], targets.chunk(world)[rank])
 
 
-def shard(model: torch.nn.Module) -> None:
+def shard(model: torch.nn.Module, mesh: DeviceMesh | None = None) -> None:
+    kwargs = {"memory_mode": args.memory_mode, **({"mesh": mesh} if mesh is not None else {})}
     for block in blocks_of(model):
-        fsdp2.fully_shard(block, memory_mode=args.memory_mode)
-    fsdp2.fully_shard(model, memory_mode=args.memory_mode)
+        fsdp2.fully_shard(block, **kwargs)
+    fsdp2.fully_shard(model, **kwargs)
 
 
+shape = (2, world // 2) if args.memory_mode == "hfsdp" else (world,)
 plan = fsdp2.plan(
-    lambda: build_model(args.model, size), shard, world_size=world, device="cpu", batch=local
+    lambda: build_model(args.model, size), shard, world_size=shape, device="cpu", batch=local
 )
+mesh = None
 if world > 1:
     dist.init_process_group("gloo")
+    if len(shape) == 2:
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
 mem = CPUMemory()
 with mem:
     gc.collect()
@@ -57,7 +69,7 @@ with mem:
     torch.manual_seed(0)
     model = build_model(args.model, size)
     if world > 1:
-        shard(model)
+        shard(model, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for _ in range(2):
         opt.zero_grad(set_to_none=True)
