@@ -181,6 +181,21 @@ def _scaler_step_on_rank0(model: Stack) -> str:
     return _step(model, 1)
 
 
+def _zero2_step_on_rank0(model: Stack) -> str:
+    """memory_mode="zero2" (parameters kept gathered between steps): rank 1 skips an optimizer
+    step, so only rank 0's next forward gathers its kept copies again."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_reshard_after_forward(False)
+            for group in module._groups(recurse=False):
+                group.keep_gathered()  # what memory_mode="zero2" sets up
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    _step(model, 0)
+    if dist.get_rank() == 0:
+        optim.step()
+    return _step(model, 1)
+
+
 SCENARIOS: dict[str, Callable[[Stack], str]] = {
     "skipped_block": _skipped_block,
     "skipped_kept_block": _skipped_kept_block,
@@ -192,6 +207,7 @@ SCENARIOS: dict[str, Callable[[Stack], str]] = {
     "unused_param": _unused_param,
     "unused_param_fixed": _unused_param_fixed,
     "scaler_step_on_rank0": _scaler_step_on_rank0,
+    "zero2_step_on_rank0": _zero2_step_on_rank0,
 }
 # Scenarios run with the checks on only: what they pin is the checks' report. (Off, the scaler's
 # 4-byte all-reduce meets a peer's all-gather, and gloo aborts the process on the size mismatch.)

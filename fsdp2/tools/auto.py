@@ -196,7 +196,9 @@ def plan_auto_shard(
     dtype = gather_dtype_of(common)
     targets = [*grouped(model, blocks, min_group_bytes or 0, dtype), ("",)]
     calls_kwargs = [dict(common) for _ in targets]
-    if "reshard_after_forward" not in common and len(targets) > 1:
+    # zero2 keeps every group gathered: no reshard_after_forward to choose.
+    keeps = common.get("memory_mode") == "zero2"
+    if "reshard_after_forward" not in common and len(targets) > 1 and not keeps:
         for kwargs in calls_kwargs[:-1]:
             kwargs["reshard_after_forward"] = True
         # The last block's backward runs first: resharding it would gather it right back.

@@ -156,6 +156,7 @@ A rank MISSING from it skipped that module (control flow that depends on the ran
 
 
 COALESCED = (
+    "zero2_step_on_rank0",
     "skipped_block",
     "skipped_kept_block",
     "expert_on_rank0",
@@ -458,3 +459,14 @@ Where each rank is (from the c10d store):
   rank 1: MISSING, issued only #0-#16 on this group; its process EXITED N s ago (normally), after issuing reduce-scatter #16 for `<root>` (40 elements, float32) [published N s ago]
 Likely cause: a peer rank is gone. A rank whose process EXITED ended its training loop before the others (e.g. its data loader ran out of batches first); one that published nothing more may have crashed (see its own log). Fix: give every rank the same number of batches (DistributedSampler(..., drop_last=True), or stop every rank's loop when one runs out). The process group is unusable now: abort the job on every rank.""",
         )
+
+
+@pytest.mark.parametrize("checks, coalesce", [(False, False), (False, True), (True, False)])
+def test_zero2_step_on_one_rank_is_named(checks: bool, coalesce: bool) -> None:
+    """One rank stepped its optimizer, the other did not: with memory_mode="zero2" only the
+    first gathers its kept copies again, so the ranks' collectives part. Every rank raises one
+    of fsdp2's named errors within the deadline (the hang report, or the checks' or coalesced
+    buckets' mismatch report), never a hang or gloo's abort."""
+    outcomes = _outcomes("zero2_step_on_rank0", checks=checks, coalesce=coalesce)
+    for rank, text in enumerate(outcomes):
+        assert text.startswith(("CollectiveTimeoutError", "CollectiveMismatchError")), (rank, text)

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
     set_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from tests.harness import IMPL_UNDER_TEST, discard_pool, fsdp_api, run_on_ranks
@@ -49,7 +50,10 @@ BROADCAST = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
 def _sharded_model(seed: int, memory_mode: str = "zero3") -> nn.Module:
     model = build_model(NAME, seed)
-    kwargs = {"memory_mode": memory_mode} if memory_mode != "zero3" else {}
+    kwargs: dict[str, Any] = {"memory_mode": memory_mode} if memory_mode != "zero3" else {}
+    if memory_mode == "hfsdp":
+        shape = (2, dist.get_world_size() // 2)
+        kwargs["mesh"] = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
     shard_model(model, NAME, IMPL_UNDER_TEST, **kwargs)
     return model
 
@@ -149,11 +153,14 @@ def test_dcp_save_then_load_at_any_world_size(saved: dict[str, Any], world_size:
 
 
 @pytest.mark.skipif(IMPL_UNDER_TEST != "fsdp2", reason="memory_mode is fsdp2's")
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_dcp_resume_in_another_memory_mode(saved: dict[str, Any], world_size: int) -> None:
+@pytest.mark.parametrize("world_size, mode", [(2, "zero2"), (4, "zero2"), (4, "hfsdp")])
+def test_dcp_resume_in_another_memory_mode(
+    saved: dict[str, Any], world_size: int, mode: str
+) -> None:
     """Saved with parameters sharded between steps (zero3), resumed keeping them gathered
-    (zero2): the same sharded state dicts, and zero2 trains bitwise as zero3."""
-    resumed = run_on_ranks(world_size, _dcp_resume, saved["ckpt"], "zero2")[0]
+    (zero2: bitwise as zero3 at the saving world size), or as HFSDP on a 2 x 2 mesh: the same
+    full state, loaded exactly."""
+    resumed = run_on_ranks(world_size, _dcp_resume, saved["ckpt"], mode)[0]
     _assert_same_state(resumed["full"], saved["full"])
     _check_losses(resumed["losses"], saved["losses"], world_size)
 

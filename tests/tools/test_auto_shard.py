@@ -86,6 +86,14 @@ def test_explicit_kwargs_go_to_every_call() -> None:
     assert list(result) == [("blocks.0", kwargs), ("blocks.1", kwargs), ("", kwargs)]
 
 
+def test_zero2_leaves_reshard_after_forward_alone() -> None:
+    """memory_mode="zero2" keeps every group gathered, so auto_shard chooses no
+    reshard_after_forward (fully_shard would refuse a True beside it)."""
+    result = plan_auto_shard(build_gpt(num_layers=2), memory_mode="zero2", **UNGROUPED)
+    kwargs = {"memory_mode": "zero2"}
+    assert list(result) == [("blocks.0", kwargs), ("blocks.1", kwargs), ("", kwargs)]
+
+
 class MoELayer(nn.Module):
     def __init__(self) -> None:
         super().__init__()
