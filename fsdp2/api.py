@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from types import MethodType
 from typing import Any, Literal, cast, overload
@@ -31,6 +32,7 @@ from fsdp2.engine.policies import (
 )
 from fsdp2.engine.state import STATES, FSDPState, state_of
 from fsdp2.engine.state_dict import register_state_dict_hooks
+from fsdp2.engine.ties import TIES
 from fsdp2.engine.torch_state import register_torch_state, torch_state
 
 __all__ = [
@@ -43,6 +45,8 @@ __all__ = [
     "share_comm_ctx",
 ]
 
+
+logger = logging.getLogger("fsdp2")
 
 # Argument types shared by the signatures below. True/False/None, or an int: see fully_shard.
 ReshardAfterForward = bool | int | None
@@ -250,14 +254,19 @@ def _apply(
     )
     fqns = {param: fqn for param, (fqn, _) in slots.items()}
     meta_on_some_rank = check_fully_shard(label, fqns, info, device, arguments)
+    _check_reshard_value(reshard_after_forward, info, label)  # before a tie moves (below)
+    moved = _take_ties(modules, slots, kept, mp_policy)
     # mesh (None: fully_shard's own) -> its parameters and their full tensors
     by_mesh: dict[DeviceMesh | None, tuple[list[FSDPParam], list[torch.Tensor]]] = {None: ([], [])}
+    created: dict[nn.Parameter, FSDPParam] = {}
     for param, (fqn, places) in slots.items():
         dim, mesh = 0, None
         if shard_placement_fn is not None:
             dim, mesh = _shard_choice(shard_placement_fn(param), param, fqn, info)
         fsdp_param = FSDPParam(param, places, fqn, label, kept[param], dim)
+        created[param] = fsdp_param
         full = param._local_tensor if isinstance(param, DTensor) else param  # TP: local piece
+        full = moved.get(param, full)  # a tie's current values, from the group it leaves
         full = full.detach() if full.device.type == "meta" else full.detach().to(device)
         params, fulls = by_mesh.setdefault(mesh, ([], []))
         params.append(fsdp_param)
@@ -302,10 +311,13 @@ def _apply(
         reshard_after_forward = False  # kept gathered anyway: no reason to re-register
     for fsdp_param in params:
         fsdp_param.register(fsdp_param.sharded_param)
+    group_of = {id(p): g for g in groups for p in g.fsdp_params}
     for param in slots:
         # A tied copy of this parameter outside these modules keeps the original object: mark
-        # it, so that the fully_shard call that meets it there refuses (see _managed_params).
+        # it, so that the fully_shard call that meets it there knows ([Note: weights tied
+        # across calls]).
         param._fsdp2_owner = label  # type: ignore[attr-defined]
+        TIES.sharded(param, group_of[id(created[param])], created[param])
     for managed in _managed_modules(modules):
         for name, buf in managed._buffers.items():
             # A meta buffer has no data to move: to_empty() materialises it with the parameters.
@@ -351,13 +363,39 @@ def _check_memory_mode(
         )
 
 
-def _resolve_reshard_after_forward(
-    value: bool | int | None, info: MeshInfo, group: FSDPParamGroup | None, label: str
-) -> bool | None:
-    """An int k keeps parameters sharded over k ranks after forward: 1 means False, the whole
-    shard size means True, and other divisors set up the k-rank groups backward gathers in."""
+def _take_ties(
+    modules: tuple[nn.Module, ...],
+    slots: dict[nn.Parameter, tuple[str, list[tuple[nn.Module, str]]]],
+    kept: dict[nn.Parameter, torch.dtype | None],
+    mp_policy: MixedPrecisionPolicy,
+) -> dict[nn.Parameter, torch.Tensor]:
+    """Take in the tied weights this call is the common ancestor of ([Note: weights tied
+    across calls]): each leaves the group that sharded it and joins this call's ``slots`` with
+    all its places. Returns their current full values (the original objects may be stale)."""
+    moved: dict[nn.Parameter, torch.Tensor] = {}
+    names = {id(m): n for top in modules for n, m in top.named_modules()}
+    for param, tie in TIES.resolved_by(modules):
+        moved[param] = tie.group.remove(tie.fsdp_param)
+        if not tie.group.fsdp_params:  # nothing left: the state that made it drops it
+            for state in STATES.under(*modules):
+                if tie.group in state.groups:
+                    state.groups.remove(tie.group)
+        module, name = tie.places()[0]
+        slots[param] = (f"{names[id(module)]}.{name}".lstrip("."), tie.places())
+        kept[param] = mp_policy.kept_dtype(param)
+        logger.info(
+            "fsdp2: %s is tied to %s across fully_shard calls; the call on %s manages it",
+            ", ".join(tie.met_fqns),
+            tie.fsdp_param.fqn,
+            ", ".join(type(m).__name__ for m in modules),
+        )
+    return moved
+
+
+def _check_reshard_value(value: object, info: MeshInfo, label: str) -> None:
+    """The value alone: a bool, None, or a divisor of the shard world size."""
     if value is None or isinstance(value, bool):
-        return value
+        return
     world = info.shard_size
     divisors = [k for k in range(1, world + 1) if world % k == 0]
     if not isinstance(value, int) or value not in divisors:
@@ -366,6 +404,17 @@ def _resolve_reshard_after_forward(
             f"fully_shard({label}): reshard_after_forward={value!r} must be a bool, None, or a "
             f"divisor of the shard world size {world}: one of {divisors} ({meaning})"
         )
+
+
+def _resolve_reshard_after_forward(
+    value: bool | int | None, info: MeshInfo, group: FSDPParamGroup | None, label: str
+) -> bool | None:
+    """An int k keeps parameters sharded over k ranks after forward: 1 means False, the whole
+    shard size means True, and other divisors set up the k-rank groups backward gathers in."""
+    if value is None or isinstance(value, bool):
+        return value
+    _check_reshard_value(value, info, label)
+    world = info.shard_size
     if value in (1, world):
         return value == world
     if group is not None and any(p.outer_spec is not None for p in group.fsdp_params):
@@ -480,6 +529,8 @@ def _managed_params(
                 continue
             fqn = f"{names.get(id(mod), '')}.{name}".lstrip(".")
             owner = getattr(param, "_fsdp2_owner", None)
+            if owner is not None and TIES.meet(param, mod, name, fqn):
+                continue  # [Note: weights tied across calls]: their common ancestor's
             if owner is not None:
                 raise ValueError(
                     f"{fqn} (in {type(mod).__name__}) is already sharded by the fully_shard call "

@@ -294,6 +294,42 @@ class FSDPParamGroup:
         self._kept = self._replica = None  # the buffers they hold are replaced
         self.layout.repack()
 
+    def remove(self, fsdp_param: FSDPParam) -> torch.Tensor:
+        """Take ``fsdp_param`` out of this group (a tied weight that a later ``fully_shard``
+        call met: its common ancestor's group manages it, api.py) and re-pack the others into
+        fresh buffers. Returns its full tensor, for the group that takes it: every rank of the
+        group calls this at the same ``fully_shard`` call (the gather is a collective)."""
+        if self.state is not ShardedState.SHARDED or self.reducer.has_unreduced_grads():
+            raise AssertionError(
+                f"remove from group {self.label!r}: expected a sharded group with no gradient "
+                f"pending, found {self.state.name}"
+            )
+        sharded = fsdp_param.sharded_param
+        if sharded.device.type == "meta":
+            full = torch.empty(sharded.shape, dtype=sharded.dtype, device="meta")
+        else:
+            full = sharded.detach().full_tensor()  # type: ignore[attr-defined]
+        rest = [p for p in self.fsdp_params if p is not fsdp_param]
+        layout = FlatLayout(
+            rest,
+            self.info,
+            self.layout.device,
+            self.label,
+            self.settings.mp_policy,
+            self.settings.offload,
+        )
+        self.layout = layout
+        self.fsdp_params = layout.params
+        self.reducer = GradientReducer(self.label, self.info, layout, self.settings)
+        for other in self.fsdp_params:
+            other.connect(self.reducer.on_grad_ready)
+        if rest:
+            layout.repack()  # the others' current shards, in buffers of their own
+        else:
+            layout.shard([])  # empty buffers: the group is dropped from its state (api.py)
+        self._kept = self._replica = None
+        return full
+
     def _repack_stale(self) -> None:
         """Before a gather: finish a deferred re-pack (see ``FlatLayout.check_repackable``)."""
         if not self.layout.stale:

@@ -27,6 +27,7 @@ from fsdp2.engine.iteration import IterContext, trace
 from fsdp2.engine.param_group import FSDPParamGroup
 from fsdp2.engine.policies import MixedPrecisionPolicy, cast_floats
 from fsdp2.engine.registry import StateRegistry
+from fsdp2.engine.ties import TIES
 from fsdp2.engine.tree import map_tensors, tensors_in
 
 __all__ = ["STATES", "FSDPState", "TrainingState", "in_backward", "module_label", "state_of"]
@@ -120,6 +121,14 @@ class FSDPState:
     def _lazy_init(self) -> None:
         """Make this state the root of every fsdp2 state in its modules' subtrees."""
         states = STATES.under(*self.modules)
+        unresolved = TIES.unresolved(self.modules)
+        if unresolved:
+            raise ValueError(
+                f"fsdp2: weights tied across fully_shard calls, and no call on a module holding "
+                f"every place they sit: {'; '.join(unresolved)}. Call fully_shard on their "
+                "common ancestor too (the root, last), or shard the modules that share them in "
+                "one call, e.g. fully_shard([embedding, lm_head])"
+            )
         not_root = next((s for s in states if s is not self and s.manual_finalization), None)
         if not_root is not None:
             raise RuntimeError(

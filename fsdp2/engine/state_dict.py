@@ -30,14 +30,17 @@ def register_state_dict_hooks(module: nn.Module, group: FSDPParamGroup) -> None:
     """Reshard ``group`` before ``module``'s state is read or written, turn the values offered to
     ``load_state_dict`` into this rank's shards, and re-pack the group if loading with
     ``assign=True`` replaced its parameters."""
-    # Key of each parameter relative to ``module`` (a tied one has several).
+    # Key of each parameter relative to ``module`` (a tied one has several), worked out when
+    # loading: a tied weight may leave the group for a later call's (api.py).
     names = {id(m): n for n, m in module.named_modules()}
-    keys = [
-        (f"{names[id(owner)]}.{name}".lstrip("."), fsdp_param)
-        for fsdp_param in group.fsdp_params
-        for owner, name in fsdp_param.slot_modules
-        if id(owner) in names
-    ]
+
+    def keys() -> list[tuple[str, FSDPParam]]:
+        return [
+            (f"{names[id(owner)]}.{name}".lstrip("."), fsdp_param)
+            for fsdp_param in group.fsdp_params
+            for owner, name in fsdp_param.slot_modules
+            if id(owner) in names
+        ]
 
     def before_save(_module: nn.Module, _prefix: str, _keep_vars: bool) -> None:
         group.reshard()
@@ -49,7 +52,7 @@ def register_state_dict_hooks(module: nn.Module, group: FSDPParamGroup) -> None:
         _module: nn.Module, state_dict: dict[str, Any], prefix: str, *_args: Any
     ) -> None:
         group.reshard()
-        for key, fsdp_param in keys:
+        for key, fsdp_param in keys():
             value = state_dict.get(prefix + key)
             if isinstance(value, torch.Tensor):
                 state_dict[prefix + key] = _as_shard(value, fsdp_param)
