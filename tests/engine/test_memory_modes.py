@@ -23,9 +23,17 @@ import fsdp2
 from fsdp2.engine.collectives import record_collectives
 from tests.errors import raised
 from tests.harness import run_on_ranks
-from tests.parity import CollectiveCounter, adamw, local_batch, shard_model, twins
+from tests.parity import (
+    CollectiveCounter,
+    adamw,
+    local_batch,
+    params_close_after_adamw,
+    shard_model,
+    step_both,
+    twins,
+)
 from tests.parity.build import global_batch
-from tests.tolerance import FP32_ATOL, FP32_RTOL, PARAM_ATOL
+from tests.tolerance import FP32_ATOL, FP32_RTOL
 
 MICRO = 4  # micro-batches per optimizer step
 STEPS = 3
@@ -158,15 +166,9 @@ def _against_reference(mode: str) -> list[float]:
         dist.all_reduce(loss)
         loss /= world
         torch.testing.assert_close(loss, ref_loss, rtol=FP32_RTOL, atol=FP32_ATOL)
-        for p, r in zip(model.parameters(), ref.parameters(), strict=True):
-            torch.testing.assert_close(p.grad.full_tensor(), r.grad, rtol=FP32_RTOL, atol=FP32_ATOL)
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        step_both(model, ref, opt, ref_opt)
         losses.append(loss.item())
-    for p, r in zip(model.parameters(), ref.parameters(), strict=True):
-        torch.testing.assert_close(p.full_tensor(), r, rtol=FP32_RTOL, atol=PARAM_ATOL)
+    params_close_after_adamw(model, ref)
     return losses
 
 

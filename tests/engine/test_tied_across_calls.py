@@ -19,9 +19,9 @@ import torch.nn as nn
 import fsdp2
 from tests.errors import raised
 from tests.harness import run_on_ranks
-from tests.parity import adamw, local_batch, twins
+from tests.parity import adamw, local_batch, params_close_after_adamw, step_both, twins
 from tests.parity.build import global_batch
-from tests.tolerance import FP32_ATOL, FP32_RTOL, PARAM_ATOL
+from tests.tolerance import FP32_ATOL, FP32_RTOL
 
 STEPS = 3
 
@@ -68,17 +68,9 @@ def _check_training(model: nn.Module, ref: nn.Module, batches: Any) -> list[floa
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         torch.testing.assert_close(mean / world, ref_loss.detach(), rtol=FP32_RTOL, atol=FP32_ATOL)
-        for (name, p), r in zip(model.named_parameters(), ref.parameters(), strict=True):
-            torch.testing.assert_close(
-                p.grad.full_tensor(), r.grad, rtol=FP32_RTOL, atol=FP32_ATOL, msg=name
-            )
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        step_both(model, ref, opt, ref_opt)
         losses.append(loss.item())
-    for p, r in zip(model.parameters(), ref.parameters(), strict=True):
-        torch.testing.assert_close(p.full_tensor(), r, rtol=FP32_RTOL, atol=PARAM_ATOL)
+    params_close_after_adamw(model, ref)
     return losses
 
 

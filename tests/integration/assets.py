@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
+
+import torch
 
 CORPUS = Path(__file__).resolve().parents[2] / "examples" / "data" / "fables.txt"
 VOCAB_SIZE = 512  # the debug model's embedding has 2048 rows
@@ -40,3 +43,17 @@ def make_assets(root: Path) -> tuple[Path, Path]:
     config = {"bos_token": BOS, "eos_token": EOS, "add_bos_token": True, "add_eos_token": True}
     (tokenizer_dir / "tokenizer_config.json").write_text(json.dumps(config))
     return tokenizer_dir, data_dir
+
+
+def tiny_llama(tied: bool, vocab: int = 64, seq: int = 8) -> Any:
+    """A tiny ``LlamaForCausalLM`` from a config (nothing downloaded), seeded: 2 layers, width
+    32; ``tied``: ``tie_word_embeddings``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq,
+        tie_word_embeddings=tied,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tests.harness import run_on_ranks
+from tests.integration.assets import tiny_llama
 
 pytest.importorskip("transformers")
 
@@ -23,15 +24,7 @@ VOCAB, SEQ = 64, 8
 
 
 def _build(tied: bool) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-        tie_word_embeddings=tied,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config)
+    return tiny_llama(tied, VOCAB, SEQ)
 
 
 def _train_export_load(directory: str, tied: bool, dtype: torch.dtype | None) -> None:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tests.harness import run_on_ranks
+from tests.integration.assets import tiny_llama
 
 pytest.importorskip("transformers")
 
@@ -21,17 +22,9 @@ VOCAB, SEQ = 64, 8
 
 
 def _train(per_module: bool) -> dict[str, Any]:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from fsdp2 import fully_shard
 
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-        tie_word_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    model = tiny_llama(True, VOCAB, SEQ)
     if per_module:
         fully_shard(model.model.embed_tokens)
     for layer in model.model.layers:

@@ -50,6 +50,8 @@ from tests.parity.compare import (
     full,
     mean_over_ranks,
     padded_shard_numel,
+    params_close_after_adamw,
+    step_both,
 )
 from tests.parity.lockstep import (
     CollectiveCounter,
@@ -100,12 +102,14 @@ __all__ = [
     "local_batch",
     "mean_over_ranks",
     "padded_shard_numel",
+    "params_close_after_adamw",
     "plan_groups",
     "rank_rows",
     "run_parity",
     "same_on_all_ranks",
     "sgd",
     "shard_model",
+    "step_both",
     "train_global_batches",
     "train_side_by_side",
     "twins",

@@ -175,3 +175,28 @@ def check_sharded_layout(name: str, p: torch.Tensor, full_shape: torch.Size) -> 
             f"{name}: rank {rank} local shape {tuple(local_shape)}, expected "
             f"{tuple(expected_local_shape(full_shape, rank, world_size))} (torch.chunk)"
         )
+
+
+def step_both(
+    model: nn.Module,
+    ref: nn.Module,
+    optim: torch.optim.Optimizer,
+    ref_optim: torch.optim.Optimizer,
+) -> None:
+    """Compare every gradient with the reference's at the fp32 tolerance, then step and zero
+    both optimizers (a hand-written lockstep loop's end of step)."""
+    for (name, p), r in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(
+            full(p.grad), r.grad, rtol=FP32.rtol, atol=FP32.atol, msg=f"grad of {name}"
+        )
+    for each in (optim, ref_optim):
+        each.step()
+        each.zero_grad()
+
+
+def params_close_after_adamw(model: nn.Module, ref: nn.Module) -> None:
+    """Parameters after AdamW steps: PARAM_ATOL, Adam's slack (tests.tolerance)."""
+    from tests.tolerance import PARAM_ATOL
+
+    for (name, p), r in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(full(p), r, rtol=FP32.rtol, atol=PARAM_ATOL, msg=name)
