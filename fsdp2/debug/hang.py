@@ -134,9 +134,9 @@ class _Rank:
         self.counts: dict[str, int] = {}
         self.waiting: tuple[Event, float] | None = None  # the collective it is blocked in, since
         self.exited: dict[str, Any] | None = None  # set at interpreter exit
-        self.published: tuple[object, object] | None = None  # what was last published, when
+        self.published: tuple[int, int] | None = None  # what was last published (marker), when
         self.last = 0.0
-        self.warned: tuple[Event, float] | None = None  # the untimed wait last logged (_watch)
+        self.warned = 0  # id of the untimed wait last logged (_watch): not the wait, its group
 
     def entry(self) -> dict[str, Any]:
         waiting = self.waiting
@@ -148,8 +148,14 @@ class _Rank:
             "exited": self.exited,
         }
 
+    def marker(self) -> tuple[int, int]:
+        """What was last published, by identity only: holding the event itself would keep its
+        process group alive after ``destroy_process_group`` until the next publish (up to
+        ``_interval()`` later)."""
+        return (id(self.ring[-1]) if self.ring else 0, id(self.waiting) if self.waiting else 0)
+
     def publish(self) -> None:
-        self.published = (self.ring[-1] if self.ring else None, self.waiting)
+        self.published = self.marker()
         self.last = time.monotonic()
         try:
             if self.store is not None:
@@ -241,8 +247,7 @@ def _publish_loop() -> None:
         except RuntimeError:
             continue
         for state in states:
-            current = (state.ring[-1] if state.ring else None, state.waiting)
-            if current != state.published and time.monotonic() - state.last >= interval:
+            if state.marker() != state.published and time.monotonic() - state.last >= interval:
                 state.publish()
             _watch(state)
 
@@ -251,11 +256,11 @@ def _watch(state: _Rank) -> None:
     """A wait without a deadline (its backend rejects one) that has passed it: log the hang
     report, once per wait. The wait itself goes on, until the backend's own timeout."""
     waiting = state.waiting
-    if waiting is None or waiting is state.warned or waits.is_timed(waiting[0].group):
+    if waiting is None or id(waiting) == state.warned or waits.is_timed(waiting[0].group):
         return
     if time.time() - waiting[1] < timeout_s():
         return
-    state.warned = waiting
+    state.warned = id(waiting)
     try:
         report = _report(waiting[0], "")
     except Exception:  # the rank's world is thread-local (threaded process group): not ours

@@ -411,6 +411,10 @@ def _destroyed_group_is_freed() -> bool:
 
     group = dist.new_group(backend="gloo")
     event = hang.note("all_gather", "x", torch.zeros(1), group)  # what every collective records
+    # The publisher thread may publish the event before it is cleared below (it once kept the
+    # group alive for up to half a minute that way, failing this test now and then): do it
+    # here, every time.
+    event.rank.publish()
     ref = weakref.ref(group)
     # A gloo group's constructor can return on one rank while its peer is still connecting;
     # destroying it then closes the socket under the peer ("Connection closed by peer").
