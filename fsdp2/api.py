@@ -149,6 +149,9 @@ def fully_shard(
             micro-batches of accumulation cost one all-gather per step. Implies
             ``reshard_after_forward=False``. ZeRO-1 is ``"zero2"`` with
             ``set_requires_gradient_sync(False)`` on all but the last micro-batch.
+            ``"hfsdp"`` (``mesh`` a 2-D (replicate, shard) mesh with named dims): parameters,
+            gradients and optimizer state sharded over every rank of it, gathered over the
+            replicate dim once per step and over the shard dim at every use.
 
     Returns:
         ``module`` itself, now an :class:`FSDPModule` (a list of them for a list).
@@ -282,24 +285,21 @@ def _apply(
     by_mesh.clear()
     for each in groups:
         each.meta_on_some_rank = meta_on_some_rank
+        if memory_mode != "zero3":
+            # Neither kept copies nor two-level gathers know extension packing; hfsdp's
+            # flattened layout knows no tensor-parallel placements.
+            refused = [p.fqn for p in each.layout.ext_params]
+            if memory_mode == "hfsdp":
+                refused += [p.fqn for p in each.fsdp_params if p.outer_spec is not None]
+            if refused:
+                raise NotImplementedError(
+                    f"fully_shard({label}): memory_mode={memory_mode!r} with all-gather "
+                    f"extension (torchao float8/NF4) or, for 'hfsdp', tensor-parallel parameters "
+                    f"({', '.join(refused)}) is not supported yet; shard this module with "
+                    "memory_mode='zero3'"
+                )
         if memory_mode == "zero2":
-            if each.layout.ext_params:
-                names = ", ".join(p.fqn for p in each.layout.ext_params)
-                raise NotImplementedError(
-                    f"fully_shard({label}): memory_mode='zero2' with all-gather extension "
-                    f"parameters ({names}: torchao float8/NF4 and the like) is not supported; "
-                    "shard this module with memory_mode='zero3'"
-                )
             each.keep_gathered()
-        if memory_mode == "hfsdp":
-            outer = [p.fqn for p in each.fsdp_params if p.outer_spec is not None]
-            if outer or each.layout.ext_params:
-                names = ", ".join(outer or [p.fqn for p in each.layout.ext_params])
-                raise NotImplementedError(
-                    f"fully_shard({label}): memory_mode='hfsdp' with tensor-parallel or "
-                    f"all-gather extension parameters ({names}) is not supported yet; shard "
-                    "this module with memory_mode='zero3'"
-                )
     group = groups[0] if groups and groups[0].info is info else None
     params = [p for g in groups for p in g.fsdp_params]
     # Resolved (and validated) before the first change to the modules: a rejected value leaves
