@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Literal, cast
 
 import torch
@@ -29,6 +30,7 @@ __all__ = [
     "agree_ints",
     "agree_objects",
     "all_gather",
+    "all_gather_in_place",
     "all_reduce",
     "all_to_all",
     "defer_check",
@@ -164,7 +166,7 @@ class Pending:
     ``then``: a copy ``(dst, src)`` to make once the collective finished (see
     :func:`reduce_scatter` on gloo)."""
 
-    __slots__ = ("_device", "_event", "_then", "_work")
+    __slots__ = ("_device", "_event", "_release", "_then", "_work")
 
     def __init__(
         self,
@@ -172,11 +174,15 @@ class Pending:
         event: hang.Event | None = None,
         device: torch.device | None = None,
         then: tuple[torch.Tensor, torch.Tensor] | None = None,
+        release: list[torch.Tensor] | None = None,
     ) -> None:
         self._work = work
         self._event = event
         self._device = device
         self._then = then
+        self._release = (
+            release  # the backend's aliases of the caller's tensors, emptied once waited
+        )
 
     def wait(self) -> None:
         if self._work is not None:
@@ -189,6 +195,9 @@ class Pending:
                 dst, src = self._then
                 dst.copy_(src)
                 self._then = None
+            for tensor in self._release or ():
+                _drop(tensor)
+            self._release = None
 
     def done(self) -> bool:
         """Whether ``wait()`` would return at once (never blocks)."""
@@ -208,6 +217,81 @@ def all_gather(
     if comm is not None:
         return Pending(comm(out, inp, group, async_op=True), event, inp.device)
     return Pending(_all_gather_single(out, inp, group=group, async_op=True), event, inp.device)
+
+
+def all_gather_in_place(
+    outs: Sequence[torch.Tensor], group: dist.ProcessGroup, label: str
+) -> Pending:
+    """Gather into each of ``outs`` (1-D, rank-major; this rank's chunk already written in
+    place) as one collective: one coalesced launch (noted, checked and recorded as one
+    all-gather of the total size), waited on as one.
+
+    gloo gathers through temporaries: its coalesced form flattens the inputs and the outputs
+    (1.5 times the outputs' bytes at W=2, measured), even one in-place gather copies through
+    one of its output's size, and a finished work keeps it a while. Its broadcast writes in
+    place. So on gloo each rank's chunk of each output is broadcast from that rank, all issued
+    at once and waited on here: the same bytes, no temporary (full_weights.py's memory bound
+    rests on it), W launches per output where gloo's coalesced form would take one.
+
+    A backend's work may hold its tensors a while after it finished (gloo's workers drop them
+    a moment after ``wait()`` returns), which would keep the caller's buffer alive into its
+    next one: the backend gets aliases of its own (not views: a view holds its base), emptied
+    once waited on."""
+    world, rank = group.size(), group.rank()
+    device, dtype, total = outs[0].device, outs[0].dtype, sum(out.numel() for out in outs)
+    # The hang report, the checks and the records see one collective of the total size.
+    inp = torch.empty(total // world, dtype=dtype, device="meta")
+    event = _note("all_gather", label, inp, inp.new_empty(total), group, device)
+    if is_gloo(group, device):
+        roots = dist.get_process_group_ranks(group)
+        rows = [_alias(row) for out in outs for row in out.view(world, -1).unbind(0)]
+        works = [
+            dist.broadcast(row, roots[index % world], group=group, async_op=True)
+            for index, row in enumerate(rows)
+        ]
+        for work in works:
+            if work is not None:
+                hang.wait(work, event, device)
+        for row in rows:
+            _drop(row)
+        return Pending(None)
+    pairs = [(_alias(out), _alias(out.view(world, -1)[rank])) for out in outs]
+    with dist._coalescing_manager(group=group, async_ops=True) as manager:  # type: ignore[attr-defined]
+        for view, mine in pairs:
+            _all_gather_single(view, mine, group=group)
+    release = [tensor for pair in pairs for tensor in pair]
+    return Pending(cast(dist.Work, _Works(manager.works)), event, device, release=release)
+
+
+def _alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor on ``tensor``'s memory that keeps nothing else alive (a view keeps its base)."""
+    alias = tensor.new_empty(0)
+    return alias.set_(
+        tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride()
+    )
+
+
+def _drop(tensor: torch.Tensor) -> None:
+    """Let go of ``tensor``'s memory (whoever still holds the tensor sees it empty)."""
+    tensor.set_()  # type: ignore[call-overload]
+
+
+class _Works:
+    """Several works waited on as one (a coalesced launch may give one per collective)."""
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        self.works = works
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        for work in self.works:
+            if timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout=timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
 
 
 def reduce_scatter(
@@ -252,9 +336,10 @@ def _note(
     inp: torch.Tensor,
     out: torch.Tensor,
     group: dist.ProcessGroup,
+    device: torch.device | None = None,
 ) -> hang.Event:
     """Before issuing: the deferred checks, the event ring (always), the cross-rank check
-    (opt-in), the records."""
+    (opt-in, on ``device``: ``inp``'s unless given), the records."""
     if _deferred:
         run_deferred_checks()
     event = hang.note(kind, label, inp, group)
@@ -264,7 +349,7 @@ def _note(
             check = CollectiveRecord("check", label, size, size * group.size(), group.size())
             for records in _recorders:
                 records.append(check)
-        checks.verify(event, inp.device, _all_gather_single)
+        checks.verify(event, device or inp.device, _all_gather_single)
     if _recorders:
         _record(kind, label, inp, out, group)
     return event

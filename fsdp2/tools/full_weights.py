@@ -23,6 +23,7 @@ raised at once (the hang report covers it): nothing more is issued on a broken g
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -31,8 +32,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fsdp2.engine.collectives import agree_ints, all_gather
-from fsdp2.tools.weight_plan import HEADER_BYTES, Bucket, WeightItem, agreement_groups, plan_buckets
+from fsdp2.engine.collectives import agree_ints, all_gather_in_place
+from fsdp2.tools.weight_plan import Bucket, WeightItem, agreement_groups, plan_buckets
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "iter_full_weights", "walk"]
 
@@ -63,10 +64,12 @@ def iter_full_weights(
     most ``bucket_bytes`` of full tensors (a larger tensor comes alone) and is gathered in one
     all-gather, across ``fully_shard`` groups; HSDP gathers within each replica, tensor and
     expert parallel dims follow with one ``full_tensor()`` per such parameter. Each tensor is
-    a fresh, contiguous copy, equal bit for bit to ``full_tensor().to(dtype)``. Memory above the
-    sharded model: the bucket you hold, and while a bucket is cut out of the gathered bytes,
-    those too (about twice ``bucket_bytes`` for a moment). Tensor subclasses (torchao's float8,
-    NF4) are refused by name.
+    contiguous, equal bit for bit to ``full_tensor().to(dtype)``, and this bucket's own: the
+    parameters of one bucket are views of the one buffer they were gathered into, so memory
+    above the sharded model is the bucket you hold, nothing more on NCCL (a gloo gather adds
+    a temporary the size of its largest tensor while it runs). The buffer lives as long as
+    any of its tensors: ``clone()`` what you keep beyond the bucket if you keep only some.
+    Tensor subclasses (torchao's float8, NF4) are refused by name.
 
     A consumer that raises (or stops early) on one rank makes every rank end with an error
     instead of a hang (see [Note: ending together]): the others raise a ``RuntimeError`` naming
@@ -183,38 +186,38 @@ class _Bucket:
             value = self._full(item, out, keep)
             if keep and value is not None:
                 named.append((item.name, value))
-        if out is not None:
+        if self.status.stopping:
+            named = []
+        if out is not None and not any(_shares(value, out) for _, value in named):
             out.untyped_storage().resize_(0)  # not left to the collective's own reference
-        return [] if self.status.stopping else named
+        return named
 
     def _gather(self) -> torch.Tensor:
         bucket, status = self.bucket, self.status
         if bucket.group is None or bucket.device is None:
             raise AssertionError(f"bucket {bucket.index}: expected a group to gather over")
-        send = torch.empty(bucket.block_bytes, dtype=torch.uint8, device=bucket.device)
+        world, me = bucket.group.size(), bucket.group.rank()
+        out = torch.empty(bucket.gathered_bytes, dtype=torch.uint8, device=bucket.device)
+        headers, *chunks = bucket.segments(out)
         try:  # also when stopping: tensor-parallel peers may still cut correct tensors from it
-            self._pack(send)
+            self._pack(chunks, me)
         except Exception as error:  # this rank's own failure: stop, but keep taking part
             status.stop(_FAILED, bucket.index, error)
         header = torch.tensor([status.own, status.rank], dtype=torch.int64)
-        send[:HEADER_BYTES].view(torch.int64).copy_(header)
-        world = bucket.group.size()
-        out = send.new_empty(world * bucket.block_bytes)
-        all_gather(out, send, bucket.group, _LABEL).wait()
-        send.untyped_storage().resize_(0)
-        headers = out.view(world, -1)[:, :HEADER_BYTES].view(torch.int64).tolist()
-        for code, rank in headers:
+        headers.view(world, -1)[me].view(torch.int64).copy_(header)
+        all_gather_in_place([headers, *chunks], bucket.group, _LABEL).wait()
+        for code, rank in headers.view(world, -1).view(torch.int64).tolist():
             if code != _OK:
                 status.heard(bucket.index, rank, code)
         return out
 
-    def _pack(self, send: torch.Tensor) -> None:
-        for item in self.bucket.items:
-            if item.offset < 0:
-                continue
+    def _pack(self, chunks: list[torch.Tensor], me: int) -> None:
+        """This rank's chunk of each gathered item, cast, into its place in the segment."""
+        items = [item for item in self.bucket.items if item.offset >= 0]
+        for item, segment in zip(items, chunks, strict=True):
             local = item.source._local_tensor  # type: ignore[attr-defined]
-            nbytes = local.numel() * item.dtype.itemsize
-            send[item.offset : item.offset + nbytes].view(item.dtype).copy_(local.reshape(-1))
+            mine = segment.view(-1, item.chunk_bytes)[me].view(item.dtype)
+            mine[: local.numel()].copy_(local.reshape(-1))
 
     def _full(self, item: WeightItem, out: torch.Tensor | None, keep: bool) -> torch.Tensor | None:
         """``item``'s full tensor (``None`` where this rank's own work failed). An item split
@@ -228,15 +231,16 @@ class _Bucket:
             local = self._outer_full(item, local)
         if local is None or not keep:
             return None
-        try:  # ``local`` is a fresh tensor already: moved, not copied again
+        try:  # ``local`` is this bucket's own already: moved or cast if asked, never copied
             return local.to(self.device or local.device, item.dtype)
         except Exception as error:
             self.status.stop(_FAILED, self.bucket.index, error)
             return None
 
     def _local_full(self, item: WeightItem, out: torch.Tensor | None) -> torch.Tensor:
-        """A fresh tensor before other mesh dims split it, in ``item.dtype``: cut from the
-        gathered bytes, or (not gathered) a copy of the local tensor."""
+        """The tensor before other mesh dims split it, in ``item.dtype``: a view of its segment
+        of the gathered buffer (cut along dim 0) or a copy out of it (another dim), or (not
+        gathered) a copy of the local tensor."""
         fsdp_param = item.fsdp_param
         if not item.gathered or fsdp_param is None or out is None:
             local = item.source.detach()
@@ -244,15 +248,14 @@ class _Bucket:
             # On the mesh's device where its full_tensor() runs, else where it is handed out.
             device = _mesh_device(item) if item.outer else self.device or local.device
             return local.to(device, item.dtype, copy=True)
-        world = out.numel() // self.bucket.block_bytes
-        nbytes = fsdp_param.chunk.numel * item.dtype.itemsize
-        chunks = out.view(world, -1)[:, item.offset : item.offset + nbytes].view(item.dtype)
+        group = self.bucket.group
+        world = group.size() if group is not None else 1
+        segment = out[item.offset : item.offset + world * item.chunk_bytes].view(item.dtype)
+        if fsdp_param.chunk.dim == 0:  # the full tensor is the segment's start: a view of it
+            return segment[: math.prod(fsdp_param.shape)].view(fsdp_param.shape)
         on_device = self.device if self.device is not None and not item.outer else out.device
         full = torch.empty(fsdp_param.shape, dtype=item.dtype, device=on_device)
-        if full.dim() == 0:
-            full.copy_(chunks[0, 0])
-            return full
-        for whole, chunk in fsdp_param.chunk.rank_blocks(full.view(-1), chunks):
+        for whole, chunk in fsdp_param.chunk.rank_blocks(full.view(-1), segment.view(world, -1)):
             whole.copy_(chunk)  # [Note: sharding another dim] in engine/param.py
         return full
 
@@ -270,6 +273,10 @@ class _Bucket:
             local, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride
         )
         return dtensor.full_tensor()
+
+
+def _shares(value: torch.Tensor, out: torch.Tensor) -> bool:
+    return value.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
 
 
 def _local_shape(source: torch.Tensor) -> torch.Size:

@@ -7,13 +7,17 @@ same collectives in the same order, and a refusal raises on every rank alike.
 [Note: a bucket's gather]
 A bucket is a run of consecutive tensors whose full size, in the dtype handed out, adds up to at
 most ``bucket_bytes`` (a tensor larger than that is a bucket of its own). The parameters fsdp2
-shards over the same process group are gathered together: each rank packs a block of
-``block_bytes`` — a 16-byte header (a status code and the rank, see [Note: ending together] in
-full_weights.py), then its chunk of each parameter, cast to the dtype handed out and padded to
-the parameter's ``chunk.numel`` (the same on every rank), each at a 16-byte aligned offset so that
-the bytes can be viewed in any dtype — and one all-gather brings every rank's block, rank-major.
-Parameters fsdp2 does not split (one rank, ``replicate()``), buffers and tensors fsdp2 does not
-manage need no gather and ride along in whichever bucket they fall in.
+shards over the same process group are gathered together, into one buffer laid out tensor by
+tensor: a segment of headers (16 bytes per rank: a status code and the rank, see [Note: ending
+together] in full_weights.py), then one segment per parameter, each at a 16-byte aligned offset
+so that it can be viewed in any dtype, holding every rank's chunk in rank order (cast to the
+dtype handed out, padded to ``chunk.numel``, the same on every rank). Each rank writes its own
+chunks into the buffer and one coalesced all-gather fills in the rest, segment by segment, in
+place. A parameter cut along dim 0 is then the start of its segment as it stands, and is handed
+out as a view of it: nothing is copied, and the buffer is the only memory a bucket takes (a
+single flat all-gather would land rank by rank, and cutting the tensors out of it would hold
+the bucket twice). Parameters fsdp2 does not split (one rank, ``replicate()``), buffers and
+tensors fsdp2 does not manage need no gather and ride along in whichever bucket they fall in.
 """
 
 from __future__ import annotations
@@ -46,7 +50,12 @@ class WeightItem:
     group: FSDPParamGroup | None  # the group that holds it
     dtype: torch.dtype  # handed out in this dtype
     nbytes: int  # the full tensor's bytes in that dtype
-    offset: int = -1  # its chunk's byte offset in each rank's block; -1: not gathered
+    offset: int = -1  # its segment's byte offset in the bucket's gathered buffer; -1: none
+
+    @property
+    def chunk_bytes(self) -> int:
+        """What each rank contributes to the gather: its padded chunk, in the dtype handed out."""
+        return self.fsdp_param.chunk.numel * self.dtype.itemsize if self.fsdp_param else 0
 
     @property
     def gathered(self) -> bool:
@@ -71,15 +80,19 @@ class Bucket:
     nbytes: int = 0  # the full tensors' bytes
     group: dist.ProcessGroup | None = None  # the shard group of its gathered items
     device: torch.device | None = None  # where they are gathered
-    block_bytes: int = HEADER_BYTES  # each rank's part of the gather: header, then chunks
+    gathered_bytes: int = 0  # the gathered buffer: the headers' segment, then each item's
 
     def add(self, item: WeightItem) -> None:
         if item.gathered and item.fsdp_param is not None and item.group is not None:
-            self.group = item.group.info.shard_group
-            self.device = item.group.layout.device
-            item.offset = self.block_bytes
-            chunk = item.fsdp_param.chunk.numel * item.dtype.itemsize
-            self.block_bytes += -(-chunk // _ALIGN) * _ALIGN
+            group = item.group.info.shard_group
+            if group is None:
+                raise AssertionError(f"{item.name}: gathered, but its group has no shard group")
+            world = group.size()
+            if self.group is None:
+                self.group, self.device = group, item.group.layout.device
+                self.gathered_bytes = world * HEADER_BYTES
+            item.offset = self.gathered_bytes
+            self.gathered_bytes += _aligned(world * item.chunk_bytes)
         self.items.append(item)
         self.nbytes += item.nbytes
 
@@ -90,6 +103,21 @@ class Bucket:
         if not item.gathered or self.group is None or item.group is None:
             return True
         return item.group.info.shard_group is self.group and item.group.layout.device == self.device
+
+    def segments(self, gathered: torch.Tensor) -> list[torch.Tensor]:
+        """The gathered buffer's segments, in order: the headers', then each gathered item's."""
+        if self.group is None:
+            raise AssertionError(f"bucket {self.index}: expected a group to gather over")
+        world = self.group.size()
+        found = [gathered[: world * HEADER_BYTES]]
+        for item in self.items:
+            if item.offset >= 0:
+                found.append(gathered[item.offset : item.offset + world * item.chunk_bytes])
+        return found
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
 
 
 def plan_buckets(
