@@ -382,12 +382,13 @@ share = (world_size - 1) / world_size
 K = args.accumulate
 R = args.replicas or 1
 S = world_size // R
+shard_share = (S - 1) / S  # with replicas the gathers run over the S ranks of a replica
+# Reducing every gradient once: a reduce-scatter over S, then (HSDP) its 1/S all-reduced over R.
+reduce_all = total_bytes * shard_share + 2 * total_bytes / S * (R - 1) / R
 min_wire = {
-    "fsdp": K * (2 * block_bytes + (total_bytes - block_bytes) + total_bytes) * share,
-    "fsdp2-zero2": (1 + K) * total_bytes * share,
-    "fsdp2-zero1": 2 * total_bytes * share,
-    # hfsdp: its 1/S over the replicas once; per micro-batch each block twice and the root
-    # once over the shard dim, and every gradient reduce-scattered over all ranks.
+    "fsdp": K * ((2 * block_bytes + (total_bytes - block_bytes)) * shard_share + reduce_all),
+    "fsdp2-zero2": total_bytes * shard_share + K * reduce_all,
+    "fsdp2-zero1": total_bytes * shard_share + reduce_all,
     "fsdp2-hfsdp": total_bytes * (R - 1) / (R * S)
     + K * ((2 * block_bytes + (total_bytes - block_bytes)) * (S - 1) / S + total_bytes * share),
     "ddp": 2 * total_bytes * share,  # ring all-reduce of every gradient

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.cpp_extension import load
@@ -65,6 +66,23 @@ def _payload_bytes(kind: str, functional: bool, args: tuple[Any, ...]) -> int:
         return _nbytes(args[0]) * (int(args[1]) if kind == "all_gather" else 1)
     # c10d in-place ops: (outputs, inputs, ...) for gather/scatter, (tensors, ...) otherwise
     return _nbytes(args[1] if kind == "reduce_scatter" else args[0])
+
+
+def _group_size(args: tuple[Any, ...], default: int) -> int:
+    """The size of the process group a collective runs over: HSDP's and hfsdp's run over one
+    mesh dim, not every rank. c10d's ops take the group itself, the functional ones its name."""
+    for arg in args:
+        if isinstance(arg, torch.ScriptObject):
+            try:
+                return int(dist.ProcessGroup.unbox(arg).size())
+            except RuntimeError:
+                continue  # another script object (a ReduceOp)
+        if isinstance(arg, str):
+            try:
+                return int(_resolve_process_group(arg).size())
+            except Exception:
+                continue
+    return default
 
 
 def wire_bytes(kind: str, payload: int, world_size: int) -> float:
@@ -129,7 +147,8 @@ class CommCounter(TorchDispatchMode):
                 kind = "reduce_scatter"
             self.counts.calls[kind] += 1
             self.counts.payload[kind] += payload
-            self.counts.wire += wire_bytes(kind, payload, self.world_size)
+            world = _group_size(args, self.world_size)
+            self.counts.wire += wire_bytes(kind, payload, world)
         return func(*args, **(kwargs or {}))
 
 

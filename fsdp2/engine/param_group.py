@@ -19,8 +19,9 @@ version counter (``dcp.load``), so taking one forgets the kept copy too (state_d
 
 [Note: two-level gathers]
 With ``memory_mode="hfsdp"`` on a (replicate R, shard S) mesh the parameters are sharded over all
-R x S ranks, so the optimizer steps 1/(R S) of each, and the gradients reach their shards by one
-reduce-scatter over the flattened group. The gather goes in two levels: over the replicate dim,
+R x S ranks, so the optimizer steps 1/(R S) of each, and the gradients reach their shards by
+two reduce-scatters, over the shard dim, then over the replicate dim, HSDP's sums in HSDP's
+order (``GradientReducer._in_levels``). The gather goes in two levels: over the replicate dim,
 this rank's R peers' shards make its shard rank's 1/S (``_replica``), kept from one step to the
 next like zero2's copy, under the same key; then over the shard dim, at every use, as HSDP
 gathers. DTensor nests ``Shard`` over (R, S) in that order, so rank (r, s) holds chunk

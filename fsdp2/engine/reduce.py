@@ -1,5 +1,6 @@
 """Gradient reduction for a parameter group: when its gradients are ready, one reduce-scatter
-(and, with replicas, one all-reduce), and handing the reduced shards to the parameters.
+(and, with replicas, one all-reduce; hfsdp: two reduce-scatters), and handing the reduced
+shards to the parameters.
 
 [Note: when a group's gradients are ready]
 Each unsharded parameter that needs a gradient has a post-accumulate-grad hook. At its first call
@@ -336,8 +337,40 @@ class GradientReducer:
         else:
             out = inp.new_empty(inp.shape[1])
         group, op = self.reduce_group(), reduce_op(use_sum)
-        pending = self.reduce_scatter(out, inp.view(-1), group, self.label, op, comm)
+        levels = self.info.levels
+        two = levels is not None and min(levels[0].size(), levels[1].size()) > 1
+        if two and comm is None and self.settings.reduce_scatter_group is None:
+            inp, pending = self._in_levels(out, inp, op)
+        else:
+            pending = self.reduce_scatter(out, inp.view(-1), group, self.label, op, comm)
         return PendingReduce(self, pending, out, params, inp, use_sum, comm is None, used)
+
+    def _in_levels(
+        self, out: torch.Tensor, inp: torch.Tensor, op: dist.ReduceOp.RedOpType
+    ) -> tuple[torch.Tensor, Pending]:
+        """hfsdp's reduce-scatter of ``inp`` (rank-major over the flattened (R, S) mesh) in two
+        levels, as HSDP reduces: over the shard dim first, whole gradients (the large stage,
+        within a node where the mesh puts the shard dim), then the 1/S each rank got over the
+        replicate dim (in place of HSDP's all-reduce), so the sums are HSDP's, in its order.
+
+        Rank (r, s) holds chunk ``r * S + s``, so the shard dim's input is ``inp``'s rows
+        reordered shard-rank-major (a copy: rank s of the first level gets rows ``r * S + s``
+        for every r, which ``inp`` does not hold together); its output, R rows, is the second
+        level's input as it stands. The first level is waited on before the second is issued
+        (its output is the second's input, on another process group). Returns the second
+        level's input (to keep alive until it finishes) and its pending collective."""
+        levels = self.info.levels
+        if levels is None:
+            raise AssertionError(f"reduce_grads '{self.label}': two levels without levels")
+        replicate, shard = levels
+        replicas, shards = replicate.size(), shard.size()
+        numel = inp.shape[-1]
+        by_shard = inp.view(replicas, shards, numel).transpose(0, 1).contiguous()
+        inp.untyped_storage().resize_(0)  # ours (built by this group): copied, free it
+        middle = inp.new_empty(replicas * numel)
+        self.reduce_scatter(middle, by_shard.view(-1), shard, self.label, op, None).wait()
+        by_shard.untyped_storage().resize_(0)
+        return middle, self.reduce_scatter(out, middle, replicate, self.label, op, None)
 
     def _has_grad(self, fsdp_param: FSDPParam) -> bool:
         return fsdp_param.unsharded_param.grad is not None or fsdp_param in self.unreduced

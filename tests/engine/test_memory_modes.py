@@ -40,8 +40,6 @@ STEPS = 3
 
 
 def _shard(model: nn.Module, mode: str, bf16: bool, hsdp: bool) -> None:
-    """``mode``: a memory mode, or "flat": zero3 over the 2-D mesh flattened into one dim,
-    which lays parameters out exactly as hfsdp does."""
     kwargs: dict[str, Any] = {"memory_mode": mode}
     if bf16:
         kwargs["mp_policy"] = fsdp2.MixedPrecisionPolicy(
@@ -49,9 +47,6 @@ def _shard(model: nn.Module, mode: str, bf16: bool, hsdp: bool) -> None:
         )
     if hsdp:
         kwargs["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    if mode == "flat":
-        kwargs["memory_mode"] = "zero3"
-        kwargs["mesh"] = kwargs["mesh"]._flatten()
     shard_model(model, "gpt", **kwargs)
 
 
@@ -285,16 +280,17 @@ def test_explicit_reshard_frees_the_kept_copy() -> None:
 
 
 @pytest.mark.parametrize("bf16", [False, True])
-def test_hfsdp_trains_as_fsdp_over_both_dims(bf16: bool) -> None:
+def test_hfsdp_trains_as_hsdp(bf16: bool) -> None:
     """hfsdp lays parameters, gradients and optimizer state out as zero3 over the flattened
-    (replicate, shard) mesh and reduces the same way; only the gather goes in two levels, to
-    the same values: bitwise the same training. Per step, gathers over the replicate dim only
-    in the first micro-batch; every other gather over the shard dim, and no all-reduce.
-    Optimizer state: HSDP's over the replicas, to the byte (every size here splits evenly)."""
-    flat = run_on_ranks(4, _train, "flat", bf16, True)
+    (replicate, shard) mesh, reduces as HSDP does (a reduce-scatter over the shard dim, then
+    one over the replicate dim in place of HSDP's all-reduce: HSDP's sums in HSDP's order) and
+    gathers in two levels to the same values: bitwise HSDP's training. Per step, gathers over
+    the replicate dim only in the first micro-batch; every other gather over the shard dim,
+    and no all-reduce. Optimizer state: HSDP's over the replicas, to the byte (every size here
+    splits evenly)."""
     hfsdp = run_on_ranks(4, _train, "hfsdp", bf16, True)
     hsdp = run_on_ranks(4, _train, "zero3", bf16, True)
-    for rank, (got, ref) in enumerate(zip(hfsdp, flat, strict=True)):
+    for rank, (got, ref) in enumerate(zip(hfsdp, hsdp, strict=True)):
         where = f"rank {rank}, bf16={bf16}"
         _same(got, ref, where)
         replicate, shard = got["groups"]
@@ -302,5 +298,7 @@ def test_hfsdp_trains_as_fsdp_over_both_dims(bf16: bool) -> None:
             gathers = {group for kind, group in records if kind == "all_gather"}
             first = micro % MICRO == 0
             assert gathers == ({replicate, shard} if first else {shard}), (where, micro)
+            scatters = [group for kind, group in records if kind == "reduce_scatter"]
+            assert scatters == [shard, replicate] * (len(scatters) // 2) and scatters, where
             assert "all_reduce" not in {kind for kind, _ in records}, where
         assert got["optim_bytes"] * 2 == hsdp[rank]["optim_bytes"], where

@@ -229,6 +229,17 @@ class Schedule:
         if joinable and g.reduce_out_bytes <= self._rs_capacity:
             self.held.append(i)
             self._last_reduce = sum(self._rs_bytes(k) for k in self.held)
+        elif levels := _reduce_levels(g):  # hfsdp: the shard dim's, then the replicate dim's
+            replicas, shards = levels
+            middle = g.reduce_in_bytes // shards
+            self.out.append(
+                Collective("reduce_scatter", g.label, g.reduce_in_bytes, middle, shards)
+            )
+            self.out.append(
+                Collective("reduce_scatter", g.label, middle, g.reduce_out_bytes, replicas)
+            )
+            self.reduce_concat[i] += g.reduce_in_bytes  # its input reordered by shard rank
+            self._last_reduce = self._rs_bytes(i)
         else:
             self.out.append(
                 Collective(
@@ -238,7 +249,13 @@ class Schedule:
             self._last_reduce = self._rs_bytes(i)
 
     def _rs_bytes(self, i: int) -> int:
-        return self.groups[i].reduce_in_bytes + self.groups[i].reduce_out_bytes
+        """What stays alive of a group's reduce-scatter while it is in flight: its input and
+        output (hfsdp's second level: the first's output as its input)."""
+        g = self.groups[i]
+        levels = _reduce_levels(g)
+        if levels:
+            return g.reduce_in_bytes // levels[1] + g.reduce_out_bytes
+        return g.reduce_in_bytes + g.reduce_out_bytes
 
     def _size_bucket(self, g: GroupFacts) -> None:
         """The engine's fixed row size (``coalesce_reduce.fixed_row_bytes``) of a reduce-scatter
@@ -290,6 +307,13 @@ def gathered_in_backward(groups: list[GroupFacts], prefetch: bool) -> list[bool]
         by_root = nxt is None and not g.is_root
         out.append(g.backward_reached or (prefetch and (by_next or by_root)))
     return out
+
+
+def _reduce_levels(g: GroupFacts) -> tuple[int, int] | None:
+    """hfsdp's (replicas, shards) when it reduces in two levels (both dims above one rank)."""
+    if not g.replica_world or g.replica_world in (1, g.shard_world):
+        return None
+    return g.replica_world, g.shard_world // g.replica_world
 
 
 def _gathers(g: GroupFacts, backward: bool) -> list[Collective]:
