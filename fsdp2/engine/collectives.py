@@ -1,9 +1,10 @@
 """The seam every collective of fsdp2 passes through: all-gather, reduce-scatter, all-reduce and
 all-to-all (the last for matrix optimizers, :mod:`fsdp2.optim`).
 
-Every collective goes through :func:`all_gather`, :func:`reduce_scatter`, :func:`all_reduce` or
-:func:`all_to_all`, the seam where the hang report notes it, the opt-in checks compare it across
-ranks, and :func:`record_collectives` observes it (tests count them, benchmarks sum bytes). Only
+Every collective goes through :func:`all_gather`, :func:`all_gather_in_place` (several outputs
+gathered in place as one, for ``iter_full_weights``), :func:`reduce_scatter`, :func:`all_reduce`
+or :func:`all_to_all`, the seam where the hang report notes it, the opt-in checks compare it
+across ranks, and :func:`record_collectives` observes it (tests count them, benchmarks sum bytes). Only
 this file and the pluggable collectives in ``comm.py`` (which the seam calls in place of its
 default) issue ``torch.distributed`` collectives.
 """

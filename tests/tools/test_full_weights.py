@@ -178,6 +178,16 @@ def test_hsdp() -> None:
     assert kinds[-2:] == ["agree", "agree"], kinds
 
 
+def _hfsdp() -> None:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _shard(build_model("gpt", SEED), mesh=mesh, memory_mode="hfsdp")
+    _check(model, bucket_bytes=20_000)  # over all four ranks, the flattened mesh's order
+
+
+def test_hfsdp() -> None:
+    run_on_ranks(4, _hfsdp)
+
+
 def _tensor_parallel() -> None:
     from fsdp2 import fully_shard
     from tests.engine.test_tensor_parallel import TinyGPT, parallelize
