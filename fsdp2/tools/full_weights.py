@@ -65,10 +65,11 @@ def iter_full_weights(
     all-gather, across ``fully_shard`` groups; HSDP gathers within each replica, tensor and
     expert parallel dims follow with one ``full_tensor()`` per such parameter. Each tensor is
     contiguous, equal bit for bit to ``full_tensor().to(dtype)``, and this bucket's own: the
-    parameters of one bucket are views of the one buffer they were gathered into, so memory
-    above the sharded model is the bucket you hold, nothing more on NCCL (a gloo gather adds
-    a temporary the size of its largest tensor while it runs). The buffer lives as long as
-    any of its tensors: ``clone()`` what you keep beyond the bucket if you keep only some.
+    parameters of one bucket are views of the one buffer they were gathered into (a
+    ``Shard(d > 0)`` parameter is copied out of it), so memory above the sharded model is the
+    bucket you hold and nothing more: the gather runs in place, on NCCL and on gloo alike
+    (engine/collectives.py: ``all_gather_in_place``). The buffer lives as long as any of its
+    tensors: ``clone()`` what you keep beyond the bucket if you keep only some.
     Tensor subclasses (torchao's float8, NF4) are refused by name.
 
     A consumer that raises (or stops early) on one rank makes every rank end with an error
