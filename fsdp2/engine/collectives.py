@@ -4,9 +4,9 @@ all-to-all (the last for matrix optimizers, :mod:`fsdp2.optim`).
 Every collective goes through :func:`all_gather`, :func:`all_gather_in_place` (several outputs
 gathered in place as one, for ``iter_full_weights``), :func:`reduce_scatter`, :func:`all_reduce`
 or :func:`all_to_all`, the seam where the hang report notes it, the opt-in checks compare it
-across ranks, and :func:`record_collectives` observes it (tests count them, benchmarks sum bytes). Only
-this file and the pluggable collectives in ``comm.py`` (which the seam calls in place of its
-default) issue ``torch.distributed`` collectives.
+across ranks, and :func:`record_collectives` observes it (tests count them, benchmarks sum
+bytes). Only this file and the pluggable collectives in ``comm.py`` (which the seam calls in
+place of its default) issue ``torch.distributed`` collectives.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Literal, cast
 
 import torch
@@ -181,9 +180,8 @@ class Pending:
         self._event = event
         self._device = device
         self._then = then
-        self._release = (
-            release  # the backend's aliases of the caller's tensors, emptied once waited
-        )
+        # The backend's aliases of the caller's tensors, emptied once waited on.
+        self._release = release
 
     def wait(self) -> None:
         if self._work is not None:
@@ -260,8 +258,10 @@ def all_gather_in_place(
     with dist._coalescing_manager(group=group, async_ops=True) as manager:  # type: ignore[attr-defined]
         for view, mine in pairs:
             _all_gather_single(view, mine, group=group)
+    if len(manager.works) != 1:  # the coalesced launch: one work for all of them
+        raise AssertionError(f"{label}: expected one coalesced work, got {len(manager.works)}")
     release = [tensor for pair in pairs for tensor in pair]
-    return Pending(cast(dist.Work, _Works(manager.works)), event, device, release=release)
+    return Pending(manager.works[0], event, device, release=release)
 
 
 def _alias(tensor: torch.Tensor) -> torch.Tensor:
@@ -275,24 +275,6 @@ def _alias(tensor: torch.Tensor) -> torch.Tensor:
 def _drop(tensor: torch.Tensor) -> None:
     """Let go of ``tensor``'s memory (whoever still holds the tensor sees it empty)."""
     tensor.set_()  # type: ignore[call-overload]
-
-
-class _Works:
-    """Several works waited on as one (a coalesced launch may give one per collective)."""
-
-    def __init__(self, works: list[dist.Work]) -> None:
-        self.works = works
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        for work in self.works:
-            if timeout is None:
-                work.wait()
-            else:
-                work.wait(timeout=timeout)
-        return True
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self.works)
 
 
 def reduce_scatter(
