@@ -8,14 +8,12 @@ which checks the state it leaves.
 [Note: parameters kept gathered between steps]
 With ``memory_mode="zero2"`` (``GroupSettings.stay_gathered``) a reshard registers the sharded
 parameters as always, so that between steps the module holds what the optimizer and the state
-dict see, but keeps the gathered copy. The next unshard registers that copy again without a
-collective while it is current: its gather recorded a key of what could have changed the
-shards since (``_shard_key``: the optimizer steps counted in steps.py and the parameters'
-version counters), and a different key, a re-pack or a freed buffer means gathering anew. So
-K micro-batches of accumulation cost one all-gather per step, the first forward's after the
-optimizer step, and a state dict loaded between steps is never trained on stale. A state dict
-taken hands out aliases of the shards that a checkpoint may load into in place, below any
-version counter (``dcp.load``), so taking one forgets the kept copy too (state_dict.py).
+dict see, but keeps the gathered copy. The next unshard registers that copy again without an
+all-gather while it is current: while no rank's shard changed since its gather (``KeptCopy``,
+[Note: when a kept copy is current] in kept.py: a key of optimizer steps and version counters
+first, then the shards' bytes, agreed by every rank). A re-pack or a freed buffer means
+gathering anew too. So K micro-batches of accumulation cost one all-gather per step, the first
+forward's after the optimizer step, and no write to the shards is ever trained on stale.
 
 [Note: two-level gathers]
 With ``memory_mode="hfsdp"`` on a (replicate R, shard S) mesh the parameters are sharded over all
@@ -40,6 +38,7 @@ from typing import NamedTuple, ParamSpec, TypeVar
 import torch
 
 from fsdp2.engine.collectives import Pending, all_gather
+from fsdp2.engine.kept import KeptCopy
 from fsdp2.engine.layout import FlatLayout
 from fsdp2.engine.mesh import MeshInfo
 from fsdp2.engine.packing import Packing
@@ -211,10 +210,10 @@ class FSDPParamGroup:
         self.meta_on_some_rank = False
         # stay_gathered: the unsharded buffer a finished gather filled, and the shards' key then
         # ([Note: parameters kept gathered between steps]).
-        self._kept: tuple[torch.Tensor, tuple[int, int]] | None = None
+        self._kept: KeptCopy | None = None
         # memory_mode="hfsdp": this shard rank's 1/S of the group, gathered over the replicate
         # dim, and the shards' key then ([Note: two-level gathers]).
-        self._replica: tuple[torch.Tensor, tuple[int, int]] | None = None
+        self._replica: KeptCopy | None = None
         if info.levels is not None:
             watch_optimizer_steps()
 
@@ -236,23 +235,33 @@ class FSDPParamGroup:
         kept = self._kept
         if kept is None:
             return False
-        flat = self.layout.unsharded_flat
+        layout = self.layout
+        flat = layout.unsharded_flat
         if (
             flat is None
-            or kept[0] is not flat
+            or kept.buffer is not flat
             or flat.untyped_storage().nbytes() == 0
-            or kept[1] != self._shard_key()
+            or not kept.current(
+                layout.sharded_flat,
+                self._shard_key(),
+                self.info.shard_group,
+                layout.label,
+                self.num_reshards,
+            )
         ):
             self._kept = None
             return False
         return True
 
     def kept_nbytes(self) -> int:
-        """Bytes the memory modes keep gathered between steps: zero2's unsharded copy, hfsdp's
-        copy of the first level (0 for zero3)."""
+        """Bytes the memory modes keep between steps: zero2's unsharded copy, hfsdp's copy of
+        the first level (0 for zero3), and the shard snapshot each is checked against."""
         if self._replica is not None:
-            return self._replica[0].untyped_storage().nbytes()
-        return self.layout.unsharded_nbytes() if self.settings.stay_gathered else 0
+            return self._replica.buffer.untyped_storage().nbytes() + self._replica.snapshot_nbytes()
+        if not self.settings.stay_gathered:
+            return 0
+        snapshot = self._kept.snapshot_nbytes() if self._kept is not None else 0
+        return self.layout.unsharded_nbytes() + snapshot
 
     def forget_gathered(self, free: bool) -> None:
         """Stop trusting the kept copies: the next unshard gathers. ``free``: give their memory
@@ -390,19 +399,23 @@ class FSDPParamGroup:
     def _replica_gathered(self) -> torch.Tensor:
         """hfsdp: the first level of the gather ([Note: two-level gathers])."""
         key = self._shard_key()
-        if self._replica is not None and self._replica[1] == key:
-            return self._replica[0]
-        self._replica = None  # a stale copy is not kept beside the new one
         levels = self.info.levels
         if levels is None:
             raise AssertionError(f"group {self.label!r}: a two-level gather without levels")
-        source, _ = self.layout.gather_source()
+        layout = self.layout
+        replica = self._replica
+        if replica is not None and replica.current(
+            layout.sharded_flat, key, levels[0], layout.label, self.num_reshards
+        ):
+            return replica.buffer
+        self._replica = None  # a stale copy is not kept beside the new one
+        source, _ = layout.gather_source()
         out = source.new_empty(levels[0].size() * source.numel())
         if levels[0].size() == 1:
             out.copy_(source)
         else:
             self.all_gather(out, source, levels[0], self.layout.label, None).wait()
-        self._replica = (out, key)
+        self._replica = KeptCopy(out, layout.sharded_flat, key)
         return out
 
     def start_shared_gather(self, gather: InFlightGather) -> None:
@@ -439,7 +452,7 @@ class FSDPParamGroup:
                 shared.release()
             flat = self.layout.unsharded_flat
             if self.settings.stay_gathered and flat is not None:
-                self._kept = (flat, self._shard_key())
+                self._kept = KeptCopy(flat, self.layout.sharded_flat, self._shard_key())
         for fsdp_param in self.fsdp_params:
             fsdp_param.register(fsdp_param.unsharded_param, replacing=fsdp_param.sharded_param)
         self._enter(ShardedState.UNSHARDED)

@@ -44,9 +44,6 @@ def register_state_dict_hooks(module: nn.Module, group: FSDPParamGroup) -> None:
 
     def before_save(_module: nn.Module, _prefix: str, _keep_vars: bool) -> None:
         group.reshard()
-        # The values alias the shards, and dcp.load writes into them in place, unseen by the
-        # version counters a kept gathered copy is checked against: gather anew after.
-        group.forget_gathered(free=False)
 
     def before_load(
         _module: nn.Module, state_dict: dict[str, Any], prefix: str, *_args: Any

@@ -146,7 +146,8 @@ def _plan_one(
     if any(g.stay_gathered for g in groups):
         notes.append(
             "memory_mode='zero2': the collectives are those of the first micro-batch after an "
-            "optimizer step; later micro-batches of the step gather nothing"
+            "optimizer step; later micro-batches of the step gather nothing, each group "
+            "issuing one 4-byte all-reduce instead (the check that its kept copy is current)"
         )
     if any(g.replica_world for g in groups):
         notes.append(

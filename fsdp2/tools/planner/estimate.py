@@ -325,8 +325,10 @@ def _gathers(g: GroupFacts, backward: bool) -> list[Collective]:
         replicas = g.replica_world
         first = g.gather_in_bytes * replicas
         second = Collective("all_gather", g.label, first, out, g.shard_world // replicas)
-        if backward or replicas == 1:
+        if replicas == 1:
             return [second]
+        if backward:  # the replica copy kept since forward: the ranks agree it is current
+            return [Collective("all_reduce", g.label, 4, 4, replicas), second]
         return [Collective("all_gather", g.label, g.gather_in_bytes, first, replicas), second]
     return [Collective("all_gather", g.label, g.gather_in_bytes, out, g.shard_world)]
 

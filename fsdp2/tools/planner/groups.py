@@ -70,7 +70,8 @@ class GroupFacts:
     # copy of that level kept between steps, and the transposed copy-out's buffer.
     replica_world: int = 0
     copy_extra_bytes: int = 0
-    # Bytes gathered and kept between steps: zero2's unsharded copy, or hfsdp's 1/S.
+    # Bytes kept between steps: zero2's unsharded copy, or hfsdp's 1/S, and beside either the
+    # snapshot of this rank's shard it is checked against (engine/kept.py).
     kept_bytes: int = 0
 
 
@@ -124,8 +125,10 @@ def _kept(group: FSDPParamGroup) -> dict[str, int]:
     between steps], [Note: two-level gathers]), and hfsdp's copy-out buffer."""
     layout = group.layout
     gather_unit = 1 if layout.mixed else layout.param_dtype.itemsize
+    # Beside a kept copy: the snapshot of this rank's shard it is checked against (kept.py).
+    snapshot = layout.sharded_flat.numel() * layout.sharded_flat.element_size()
     if group.settings.stay_gathered and not layout.alias:
-        return {"kept_bytes": group.shard_size * layout.plain_numel * gather_unit}
+        return {"kept_bytes": group.shard_size * layout.plain_numel * gather_unit + snapshot}
     levels = group.info.levels
     if levels is None or group.shard_size == 1:
         return {}
@@ -133,7 +136,7 @@ def _kept(group: FSDPParamGroup) -> dict[str, int]:
     send = layout.plain_numel * gather_unit
     return {
         "replica_world": replicas,
-        "kept_bytes": replicas * send,
+        "kept_bytes": replicas * send + snapshot,
         "copy_extra_bytes": group.shard_size * send,
     }
 
