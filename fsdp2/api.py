@@ -21,6 +21,7 @@ from fsdp2.engine.module import (
     GradientReductionHandle,
     ReplicateModule,
     UnshardHandle,
+    container_without_forward,
 )
 from fsdp2.engine.param import FSDPParam
 from fsdp2.engine.param_group import FSDPParamGroup
@@ -113,8 +114,8 @@ def fully_shard(
     Args:
         module: the module to shard, or a list of modules that then share one group (one
             all-gather, one reduce-scatter), e.g. tied ``[embedding, lm_head]``. Not an
-            ``nn.ModuleList``/``nn.ModuleDict`` (no forward to hook), nor a module already
-            sharded.
+            ``nn.ModuleList``/``nn.ModuleDict`` (no forward to hook; a subclass that defines
+            ``forward`` is fine), nor a module already sharded.
         mesh: a 1-D ``DeviceMesh`` to shard over (FSDP), or a 2-D one (HSDP: replicate over
             dim 0, shard over dim 1; gradients reduce-scattered within a replica, then
             all-reduced across replicas). Default: a 1-D mesh over the default process group
@@ -456,7 +457,7 @@ def _check_modules(modules: tuple[nn.Module, ...]) -> None:
                 f"fully_shard was already applied to this {type(mod).__name__}; apply it once "
                 "per module (bottom-up: submodules first, then their parent)"
             )
-        if isinstance(mod, (nn.ModuleList, nn.ModuleDict)):
+        if container_without_forward(mod):
             raise ValueError(
                 f"fully_shard does not take a {type(mod).__name__}: it has no forward to hook. "
                 "Apply it to each module inside, or pass them as a list: fully_shard(list(...))"

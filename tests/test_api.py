@@ -236,6 +236,28 @@ FSDPSequential(
         )
 
     @fsdp2_only
+    def test_error_module_dict_without_forward(self) -> None:
+        self.assertErrorInline(
+            lambda: api.fully_shard(nn.ModuleDict({"a": nn.Linear(2, 2)})),
+            "ModuleDict",
+            """ValueError: fully_shard does not take a ModuleDict: it has no forward to hook. Apply it to each module inside, or pass them as a list: fully_shard(list(...))""",
+        )
+
+    @fsdp2_only
+    def test_error_container_subclass_without_forward(self) -> None:
+        """A subclass is refused only while its class keeps ``nn.Module.forward`` (one that
+        defines ``forward`` trains: tests/engine/test_container_subclasses.py)."""
+
+        class Blocks(nn.ModuleList):
+            pass
+
+        self.assertErrorInline(
+            lambda: api.fully_shard(Blocks([nn.Linear(2, 2)])),
+            "Blocks",
+            """ValueError: fully_shard does not take a Blocks: it has no forward to hook. Apply it to each module inside, or pass them as a list: fully_shard(list(...))""",
+        )
+
+    @fsdp2_only
     def test_error_3d_mesh_without_dp_mesh_dims(self) -> None:
         mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "data", "tp"))
         model = small_sequential()

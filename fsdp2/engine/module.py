@@ -1,10 +1,12 @@
 """``FSDPModule``: the methods every fully-sharded module gains (its setters in
-``module_settings.py``), and ``UnshardHandle``."""
+``module_settings.py``), ``UnshardHandle``, and which modules can become one."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
+
+import torch.nn as nn
 
 from fsdp2.engine.changes import take_up_changes
 from fsdp2.engine.iteration import IterContext
@@ -21,8 +23,20 @@ __all__ = [
     "GradientReductionHandle",
     "ReplicateModule",
     "UnshardHandle",
+    "container_without_forward",
     "state_of",
 ]
+
+
+def container_without_forward(module: nn.Module) -> bool:
+    """``module`` is an ``nn.ModuleList``/``nn.ModuleDict`` whose class has no ``forward`` of its
+    own, so calling it never runs its children and there is no forward to hook. A subclass that
+    defines ``forward`` is an ordinary module. The one rule for ``fully_shard``, ``replicate``
+    and auto-sharding's blocks; decided from the class alone, the same on every rank."""
+    return (
+        isinstance(module, (nn.ModuleList, nn.ModuleDict))
+        and type(module).forward is nn.Module.forward
+    )
 
 
 class FSDPModule(GroupSettingsMethods):

@@ -3,7 +3,8 @@
 How the blocks are chosen (without ``block_types``):
 - A *run* is the children of one container (``ModuleList``, ``Sequential``, ``ModuleDict``) that
   share a class: at least two of them, or the single child of a ``ModuleList``/``ModuleDict``
-  (a one-layer configuration of a layer list).
+  (a one-layer configuration of a layer list). A child that ``fully_shard`` cannot take (a
+  ``ModuleList``/``ModuleDict`` without a ``forward`` of its own) is never a block.
 - Runs are taken largest first (by parameter count). A run inside a block already taken is part
   of that block (experts inside a layer); a run smaller than one block of the largest run is not
   worth its own all-gathers and stays with its parent. So a decoder gets its layers, an
@@ -34,6 +35,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from fsdp2.engine.module import container_without_forward
+
 __all__ = [
     "blocks_of_types",
     "claimed",
@@ -46,8 +49,7 @@ __all__ = [
 ]
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
-# Module classes fully_shard cannot take (no forward to hook): never blocks.
-_NOT_BLOCKS = (nn.ModuleList, nn.ModuleDict)
+_LAYER_LISTS = (nn.ModuleList, nn.ModuleDict)
 
 
 def _numel(module: nn.Module) -> int:
@@ -67,10 +69,10 @@ def _runs(model: nn.Module) -> list[list[str]]:
             continue
         by_class: dict[type, list[str]] = {}
         for name, child in container.named_children():
-            if not isinstance(child, _NOT_BLOCKS) and _numel(child) > 0:
+            if not container_without_forward(child) and _numel(child) > 0:
                 by_class.setdefault(type(child), []).append(f"{fqn}.{name}" if fqn else name)
         for children in by_class.values():
-            single_layer_list = isinstance(container, _NOT_BLOCKS) and len(container) == 1
+            single_layer_list = isinstance(container, _LAYER_LISTS) and len(container) == 1
             if len(children) >= 2 or single_layer_list:
                 runs.append(children)
     return runs

@@ -120,6 +120,24 @@ def _titan_like() -> nn.Module:
     return model
 
 
+class Stage(nn.ModuleList):
+    """A layer list with a forward of its own: fully_shard takes it, so it can be a block."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.Linear(16, 16) for _ in range(2))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for layer in self:
+            h = layer(h)
+        return h
+
+
+def _stages() -> nn.Module:
+    model = nn.Module()
+    model.stages = nn.ModuleList(Stage() for _ in range(2))
+    return model
+
+
 @pytest.mark.parametrize(
     ("build", "expected"),
     [
@@ -132,6 +150,8 @@ def _titan_like() -> nn.Module:
             ],
         ),
         (_titan_like, [*block_calls("layers", 2), ("", {})]),
+        # Each stage is a block (the layers inside are its own runs, inside a taken block).
+        (_stages, [*block_calls("stages", 2), ("", {})]),
         (  # blocks among other children of a Sequential
             lambda: nn.Sequential(
                 nn.Embedding(8, 4),
@@ -146,7 +166,12 @@ def _titan_like() -> nn.Module:
             ],
         ),
     ],
-    ids=["run_inside_a_block", "module_dict", "sequential_of_mixed_children"],
+    ids=[
+        "run_inside_a_block",
+        "module_dict",
+        "container_subclasses_with_forward",
+        "sequential_of_mixed_children",
+    ],
 )
 def test_plan_structures(build: Any, expected: list[tuple[str, dict[str, Any]]]) -> None:
     assert list(plan_auto_shard(build(), **UNGROUPED)) == expected
