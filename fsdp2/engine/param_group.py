@@ -196,6 +196,7 @@ class FSDPParamGroup:
         self.layout = FlatLayout(params, info, device, label, mp_policy, offload)
         self.fsdp_params = self.layout.params  # in layout order
         self.reducer = GradientReducer(label, info, self.layout, self.settings)
+        self._on_grads_ready: Callable[[], None] = self.reducer.on_grads_ready
         for fsdp_param in self.fsdp_params:  # before the unsharded parameters are made
             fsdp_param.connect(self.reducer.on_grad_ready)
         self.layout.shard(full_tensors)
@@ -216,6 +217,11 @@ class FSDPParamGroup:
         self._replica: KeptCopy | None = None
         if info.levels is not None:
             watch_optimizer_steps()
+
+    def on_grads_ready(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once every gradient of the group is in (the owning state's
+        post-backward), also on a reducer a re-pack makes later (``remove``)."""
+        self._on_grads_ready = self.reducer.on_grads_ready = callback
 
     def keep_gathered(self) -> None:
         """Keep the gathered copy across reshards from now on (``memory_mode="zero2"``)."""
@@ -331,6 +337,7 @@ class FSDPParamGroup:
         self.layout = layout
         self.fsdp_params = layout.params
         self.reducer = GradientReducer(self.label, self.info, layout, self.settings)
+        self.reducer.on_grads_ready = self._on_grads_ready  # still the state's post-backward
         for other in self.fsdp_params:
             other.connect(self.reducer.on_grad_ready)
         if rest:

@@ -109,7 +109,7 @@ class FSDPState:
         self._call_unhooked = False  # that call runs with grad, but no input requires it
         self._call_inputs: list[torch.Tensor] = []  # that call's inputs that require grad
         for group in groups:
-            group.reducer.on_grads_ready = partial(self._post_backward, group)
+            group.on_grads_ready(partial(self._post_backward, group))
 
     @property
     def group(self) -> FSDPParamGroup | None:

@@ -168,3 +168,57 @@ def test_planner_counts_the_tie_once() -> None:
     assert plan.num_params == natural.num_params
     assert plan.param_bytes == natural.param_bytes
     assert plan.grad_bytes == natural.grad_bytes
+
+
+class _EncoderWithEmbedding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.emb(x))
+
+
+class _TiedHeadNet(nn.Module):
+    """An HF-style model sharded module by module: the head may share the embedding."""
+
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.enc = _EncoderWithEmbedding()
+        self.head = nn.Linear(16, 32, bias=False)
+        if tied:
+            self.head.weight = self.enc.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.enc(x)))
+
+
+def _reduce_order(tied: bool) -> list[str]:
+    """The groups' reduce-scatters of a second step in issue order, coalescing off (each group
+    issues its own)."""
+    from fsdp2.engine.coalesce import coalesce_bytes, set_coalesce_bytes
+
+    saved = coalesce_bytes()
+    set_coalesce_bytes(0)
+    try:
+        torch.manual_seed(0)
+        model = _TiedHeadNet(tied)
+        fsdp2.fully_shard(model.enc)
+        fsdp2.fully_shard(model.head)
+        fsdp2.fully_shard(model)
+        x = torch.randint(0, 32, (8,))
+        model(x).sum().backward()  # lazy init: the tie goes to the root's group
+        with fsdp2.record_collectives() as records:
+            model(x).sum().backward()
+    finally:
+        set_coalesce_bytes(saved)
+    return [r.label or "<root>" for r in records if r.kind == "reduce_scatter"]
+
+
+def test_each_group_reduces_in_its_own_post_backward_beside_a_tie() -> None:
+    """A group that lost a tied weight to its ancestor's call reduces when its own backward is
+    done, not at the end of backward after every other group: the root's group (holding the
+    tie, whose last gradient comes from the embedding) reduces last, at the end of backward."""
+    assert run_on_ranks(2, _reduce_order, False)[0] == ["head", "enc"]
+    assert run_on_ranks(2, _reduce_order, True)[0] == ["enc", "<root>"]
