@@ -283,6 +283,11 @@ def _unsupported(state: FSDPState) -> list[str]:
         found.append("CPU offload")
     if group.settings.k_group is not None:
         found.append("reshard_after_forward=<int>")
+    # A graph gathers at every forward: it can keep no copy between steps, nor gather in levels.
+    if group.settings.stay_gathered:
+        found.append("memory_mode='zero2'")
+    if info.levels is not None:
+        found.append("memory_mode='hfsdp'")
     if (
         group.settings.custom_all_gather is not None
         or group.settings.custom_reduce_scatter is not None

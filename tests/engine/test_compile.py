@@ -32,6 +32,7 @@ from torch.distributed.tensor import Shard
 
 import fsdp2
 from fsdp2.engine.traced import set_traced
+from tests.errors import raised
 from tests.harness import init_local_process_group, run_on_ranks
 from tests.models import MODELS, build_model, make_batch
 from tests.parity import close
@@ -425,6 +426,24 @@ def test_traced_inductor() -> None:
         assert report["reduce_scatter_in_code"] == [False, True], report
         assert report["graph_breaks"] == 0, report
         assert not report["recompiled_after_first_step"], report
+
+
+def _memory_mode_refused(mode: str) -> str:
+    """What ``set_traced`` says of a model sharded with ``mode`` (hfsdp: a 2 x 2 mesh)."""
+    kwargs: dict[str, Any] = {"memory_mode": mode}
+    if mode == "hfsdp":
+        kwargs["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = build_model("mlp", MODEL_SEED)
+    _shard(model, "mlp", None, "", **kwargs)
+    return raised(lambda: set_traced(model))
+
+
+@pytest.mark.parametrize("mode, world", [("zero2", 2), ("hfsdp", 4)])
+def test_memory_modes_are_refused_by_name_on_every_rank(mode: str, world: int) -> None:
+    """Traced mode gathers inside the graph at every forward: zero2's copy kept between steps
+    and hfsdp's two-level gather would be silently dropped, so ``set_traced`` refuses them."""
+    for rank, said in enumerate(run_on_ranks(world, _memory_mode_refused, mode)):
+        assert f"traced mode does not support memory_mode='{mode}'" in said, (rank, said)
 
 
 class TestTracedInProcess(expecttest.TestCase):
