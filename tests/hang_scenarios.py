@@ -11,9 +11,11 @@ from __future__ import annotations
 import os
 import re
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, cast
 
 import torch
@@ -311,5 +313,40 @@ def early_exit_main() -> None:
     os._exit(0)
 
 
+def busy_store_main() -> None:
+    """Under torchrun (``tests/hang_scenarios.py busy_store``), whose store is a TCPStore:
+    ``never_enters`` with rank 1's store client busy from before its step until rank 0 has
+    reported. A thread of rank 1 waits in the store, as a rendezvous (the next ``new_group``), a
+    barrier or a user's ``store.wait`` does; a TCPStore client serves one request at a time, so
+    a publisher writing through it would show rank 1 as it was before the step ([Note: fresh
+    entries]). Rank 0 prints one JSON line: what ended its second step."""
+    import json
+
+    from fsdp2.engine.coalesce import set_coalesce_bytes
+
+    set_coalesce_bytes(0)  # the report pinned names one group's gather
+    os.environ["FSDP2_COLLECTIVE_TIMEOUT"] = str(TIMEOUT_S)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    store = dist.distributed_c10d._get_default_store()
+    model = build()
+    if dist.get_rank() == 1:
+        waiter = threading.Thread(target=store.wait, args=(["reported"], timedelta(seconds=60)))
+        waiter.start()
+        time.sleep(0.2)  # the waiter's request holds the client before the step starts
+        _step(model, 0)
+        waiter.join()
+        return
+    _step(model, 0)
+    text = outcome(lambda: _step(model, 1))
+    sys.stdout.write(json.dumps({"outcome": text}) + "\n")
+    sys.stdout.flush()
+    store.set("reported", "yes")
+    time.sleep(0.5)  # rank 1 reads it before this process, the store's host, ends
+    os._exit(0)
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["early_exit"]:
     early_exit_main()
+if __name__ == "__main__" and sys.argv[1:2] == ["busy_store"]:
+    busy_store_main()

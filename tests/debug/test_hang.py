@@ -465,6 +465,20 @@ Likely cause: a peer rank is gone. A rank whose process EXITED ended its trainin
         )
 
 
+def test_peer_whose_store_client_is_busy() -> None:
+    """A peer whose store client is held by another request (a rendezvous, a barrier) is read
+    fresh all the same: its publisher writes through a client of its own and answers the
+    report's ask ([Note: fresh entries]). Its entry once predated the whole step ("issued none
+    on this group"), and the report called it MISSING from collectives it had issued."""
+    proc = launch("tests/hang_scenarios.py", 2, "busy_store", timeout=120)
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, proc.stdout + proc.stderr
+    rank1 = lines[0]["outcome"].split("\n")[3]
+    assert rank1.startswith(
+        "  rank 1: MISSING, issued only #0-#16 on this group; not in an fsdp2 collective"
+    ), lines[0]["outcome"]
+
+
 @pytest.mark.parametrize("checks, coalesce", [(False, False), (False, True), (True, False)])
 def test_zero2_step_on_one_rank_is_named(checks: bool, coalesce: bool) -> None:
     """One rank stepped its optimizer, the other did not: with memory_mode="zero2" only the
