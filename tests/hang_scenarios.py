@@ -150,6 +150,32 @@ def _never_enters(model: Stack) -> str:
     return _step(model, 1)
 
 
+def _silent_peer(model: Stack) -> str:
+    """``never_enters`` with rank 1's publisher silenced after its step (a stand-in for a thread
+    that the machine does not run, or a call holding the GIL): the report's ask goes unanswered,
+    and rank 1's entry is the one it wrote by hand after its step."""
+    from fsdp2.debug import hang
+
+    assert model.group is not None
+    store = dist.distributed_c10d._get_default_store()
+    key = f"hang_scenarios/silent_peer/{model.group.group_name}"  # a fresh group: a fresh key
+    _step(model, 0)
+    if dist.get_rank() == 0:
+        try:
+            return _step(model, 1)
+        finally:
+            store.set(key, "reported")
+    serve = hang._Rank.serve
+    hang._Rank.serve = lambda self: None
+    try:
+        hang._rank_of(model.group).publish()
+        store.wait([key], timedelta(seconds=60))
+    finally:
+        hang._Rank.serve = serve
+        store.delete_key(key)
+    return "skipped step 1"
+
+
 def _eval_on_rank0(model: Stack) -> str:
     if dist.get_rank() == 0:  # e.g. a validation loss, logged by rank 0 only
         with torch.no_grad():
@@ -205,6 +231,7 @@ SCENARIOS: dict[str, Callable[[Stack], str]] = {
     "raise_in_backward": _raise_in_backward,
     "batch_shapes": _batch_shapes,
     "never_enters": _never_enters,
+    "silent_peer": _silent_peer,
     "eval_on_rank0": _eval_on_rank0,
     "unused_param": _unused_param,
     "unused_param_fixed": _unused_param_fixed,

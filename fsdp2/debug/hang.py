@@ -269,16 +269,20 @@ def wait(work: dist.Work, event: Event, device: torch.device, phase: str = "") -
         return
     state = event.rank
     state.waiting = (event, time.time())
+    # A wait that ends in our error leaves the rank "blocked in" the collective for its peers'
+    # reports: the group is unusable after it, and a peer whose deadline passes a moment later
+    # reads the same line whether this rank has raised yet or not (its answer is fresh).
     try:
-        try:
-            finished = waits.wait(work, event.group)
-        except Exception as e:
-            raise CollectiveFailedError(_failure(event, phase, e)) from e
-        if not finished:
-            state.publish()
-            raise CollectiveTimeoutError(_report(event, phase))  # asks the peers: fresh entries
-    finally:
+        finished = waits.wait(work, event.group)
+    except Exception as e:
+        raise CollectiveFailedError(_failure(event, phase, e)) from e
+    except BaseException:  # interrupted (KeyboardInterrupt): no longer in it
         state.waiting = None
+        raise
+    if not finished:
+        state.publish()
+        raise CollectiveTimeoutError(_report(event, phase))  # asks the peers: fresh entries
+    state.waiting = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -420,11 +424,11 @@ def describe(event: dict[str, Any]) -> str:
 def _whereabouts(entry: dict[str, Any], now: float) -> str:
     waiting, exited = entry["waiting"], entry.get("exited")
     last = entry["recent"][-1] if entry["recent"] else None
-    if waiting is not None:
-        where = f"blocked in {describe(waiting)} for {now - waiting['since']:.1f} s"
-    elif exited is not None:
+    if exited is not None:  # first: a rank that raised from a wait still names it as waiting
         where = f"its process EXITED {now - exited['time']:.1f} s ago ({exited['how']})"
         where += f", after issuing {describe(last)}" if last else ""
+    elif waiting is not None:
+        where = f"blocked in {describe(waiting)} for {now - waiting['since']:.1f} s"
     elif last is None:
         where = "has issued no fsdp2 collective"
     else:
@@ -449,7 +453,7 @@ def _rank_line(
         so_far = f"#0-#{issued - 1}" if issued else "none"
         return (
             f"rank {rank}: NO ANSWER within {_answer_wait():.1f} s, so its entry may be behind "
-            f"(its publisher did not run: a loaded machine, or a call holding the GIL); when "
+            f"(its publisher thread did not run in time: a loaded machine, or a call holding the GIL); when "
             f"published, it had issued {so_far} on this group; {where}"
         )
     if issued <= target["seq"]:

@@ -154,6 +154,21 @@ A rank MISSING from it skipped that module (control flow that depends on the ran
         )
         self.assertEqual(rank1, "skipped step 1")
 
+    def test_silent_peer(self) -> None:
+        """A peer that does not answer the report's ask within the wait is said to be behind,
+        with what its older entry knew, never MISSING ([Note: fresh entries])."""
+        rank0, rank1 = _outcomes("silent_peer", checks=False)
+        self.assertExpectedInline(
+            rank0,
+            """\
+CollectiveTimeoutError: fsdp2: rank 0 waited N s (FSDP2_COLLECTIVE_TIMEOUT) for the all-gather #17 for `<root>` (18 elements, float32) on the process group of ranks [0, 1], and it has not finished.
+Where each rank is (from the c10d store):
+  rank 0 (this rank): blocked in it
+  rank 1: NO ANSWER within N s, so its entry may be behind (its publisher thread did not run in time: a loaded machine, or a call holding the GIL); when published, it had issued #0-#16 on this group; not in an fsdp2 collective (busy elsewhere, finished or raised); last seen N s ago issuing reduce-scatter #16 for `<root>` (40 elements, float32) [published N s ago]
+A rank MISSING from it skipped that module (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs or shapes), raised, or never started the step. A rank on a DIFFERENT collective got out of step earlier: collectives pair up by order, not by module, so earlier ones may have exchanged wrong data. The process group is unusable now (a collective is half done): abort the job on every rank. FSDP2_CHECK_COLLECTIVES=1 stops at the first collective where the ranks disagree, with both sides named.""",
+        )
+        self.assertEqual(rank1, "skipped step 1")
+
 
 COALESCED = (
     "zero2_step_on_rank0",
