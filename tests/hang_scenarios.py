@@ -11,9 +11,11 @@ from __future__ import annotations
 import os
 import re
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, cast
 
 import torch
@@ -148,6 +150,32 @@ def _never_enters(model: Stack) -> str:
     return _step(model, 1)
 
 
+def _silent_peer(model: Stack) -> str:
+    """``never_enters`` with rank 1's publisher silenced after its step (a stand-in for a thread
+    that the machine does not run, or a call holding the GIL): the report's ask goes unanswered,
+    and rank 1's entry is the one it wrote by hand after its step."""
+    from fsdp2.debug import hang
+
+    assert model.group is not None
+    store = dist.distributed_c10d._get_default_store()
+    key = f"hang_scenarios/silent_peer/{model.group.group_name}"  # a fresh group: a fresh key
+    _step(model, 0)
+    if dist.get_rank() == 0:
+        try:
+            return _step(model, 1)
+        finally:
+            store.set(key, "reported")
+    serve = hang._Rank.serve
+    hang._Rank.serve = lambda self: None
+    try:
+        hang._rank_of(model.group).publish()
+        store.wait([key], timedelta(seconds=60))
+    finally:
+        hang._Rank.serve = serve
+        store.delete_key(key)
+    return "skipped step 1"
+
+
 def _eval_on_rank0(model: Stack) -> str:
     if dist.get_rank() == 0:  # e.g. a validation loss, logged by rank 0 only
         with torch.no_grad():
@@ -203,6 +231,7 @@ SCENARIOS: dict[str, Callable[[Stack], str]] = {
     "raise_in_backward": _raise_in_backward,
     "batch_shapes": _batch_shapes,
     "never_enters": _never_enters,
+    "silent_peer": _silent_peer,
     "eval_on_rank0": _eval_on_rank0,
     "unused_param": _unused_param,
     "unused_param_fixed": _unused_param_fixed,
@@ -311,5 +340,40 @@ def early_exit_main() -> None:
     os._exit(0)
 
 
+def busy_store_main() -> None:
+    """Under torchrun (``tests/hang_scenarios.py busy_store``), whose store is a TCPStore:
+    ``never_enters`` with rank 1's store client busy from before its step until rank 0 has
+    reported. A thread of rank 1 waits in the store, as a rendezvous (the next ``new_group``), a
+    barrier or a user's ``store.wait`` does; a TCPStore client serves one request at a time, so
+    a publisher writing through it would show rank 1 as it was before the step ([Note: fresh
+    entries]). Rank 0 prints one JSON line: what ended its second step."""
+    import json
+
+    from fsdp2.engine.coalesce import set_coalesce_bytes
+
+    set_coalesce_bytes(0)  # the report pinned names one group's gather
+    os.environ["FSDP2_COLLECTIVE_TIMEOUT"] = str(TIMEOUT_S)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    store = dist.distributed_c10d._get_default_store()
+    model = build()
+    if dist.get_rank() == 1:
+        waiter = threading.Thread(target=store.wait, args=(["reported"], timedelta(seconds=60)))
+        waiter.start()
+        time.sleep(0.2)  # the waiter's request holds the client before the step starts
+        _step(model, 0)
+        waiter.join()
+        return
+    _step(model, 0)
+    text = outcome(lambda: _step(model, 1))
+    sys.stdout.write(json.dumps({"outcome": text}) + "\n")
+    sys.stdout.flush()
+    store.set("reported", "yes")
+    time.sleep(0.5)  # rank 1 reads it before this process, the store's host, ends
+    os._exit(0)
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["early_exit"]:
     early_exit_main()
+if __name__ == "__main__" and sys.argv[1:2] == ["busy_store"]:
+    busy_store_main()

@@ -9,11 +9,26 @@ job's c10d store (the default process group's store, which every job already has
 path writes nothing per collective and issues no extra collective.
 
 Waiting on one of fsdp2's collectives (``Pending.wait``) is bounded by ``FSDP2_COLLECTIVE_TIMEOUT``
-seconds (default 300). When it expires, the rank publishes its own state, waits one publishing
-interval (its peers blocked at the same moment publish theirs), reads every peer's entry without
-blocking (``store.check`` first, so a dead rank costs nothing) and raises
-:class:`CollectiveTimeoutError`: per rank, whether it issued the collective, what it issued
-instead, and what it was last seen doing.
+seconds (default 300). When it expires, the rank publishes its own state, asks every peer for a
+fresh entry, reads their entries without blocking (``store.check`` first, so a dead rank costs
+nothing) and raises :class:`CollectiveTimeoutError`: per rank, whether it issued the collective,
+what it issued instead, and what it was last seen doing. See [Note: fresh entries].
+
+[Note: fresh entries]
+An entry is only as new as its publisher's last run, and that depends on the machine: a loaded
+machine schedules the thread late, a long call holding the GIL stops it, and a store client
+serves one request at a time, so a rank whose main thread blocks in the store (the next
+``new_group``'s rendezvous, a barrier, a user's ``store.wait``) would hold its publisher behind
+that request for as long as it lasts. An old entry read as current names a rank that issued the
+collective as MISSING from it. So a report does not trust an entry's age: it adds one to the
+store's counter ``_ASKED`` and waits (at most ``_answer_wait()``) until every peer's entry says
+it answered that ask or a later one; each publisher reads the counter every ``_poll_period()``
+and republishes at once when it grew, through a store client of its own (``Store.clone``) that
+nothing else queues behind. An entry that answered was taken after the deadline passed, so what
+it says a rank issued is all it had issued by then. A rank that does not answer in time is
+reported as such, with what its older entry knew and how old that is, never as MISSING. A rank
+that exited wrote its last entry then: it needs no answer. The cost: one small store read per
+rank per poll period, nothing per collective.
 
 A rank's state is per rank, not per process: on torch's multi-threaded process group the ranks
 are threads of one process, each with its own ring, counts and store entry. At interpreter exit
@@ -66,6 +81,7 @@ logger = logging.getLogger("fsdp2")
 _RING = 8  # events kept per rank
 _PUBLISHED = 4  # of which the newest are published
 _KEY = "fsdp2/debug/hang/rank{}"
+_ASKED = "fsdp2/debug/hang/asked"  # how many reports asked for fresh entries: [Note: fresh entries]
 _OP_NAMES = {
     "all_gather": "all-gather",
     "reduce_scatter": "reduce-scatter",
@@ -121,8 +137,8 @@ class _Rank:
     module-level ring there would mix the ranks' collectives and their sequence numbers)."""
 
     __slots__ = (
-        "__weakref__", "counts", "exited", "last", "published", "rank", "ring", "store",
-        "waiting", "warned",
+        "__weakref__", "answered", "counts", "exited", "last", "own_store", "polled",
+        "published", "rank", "ring", "store", "waiting", "warned",
     )  # fmt: skip
 
     def __init__(self, rank: int, store: Store | None) -> None:
@@ -137,6 +153,11 @@ class _Rank:
         self.published: tuple[int, int] | None = None  # what was last published (marker), when
         self.last = 0.0
         self.warned = 0  # id of the untimed wait last logged (_watch): not the wait, its group
+        # The publisher's client of the store (a clone, made on first use), which no request
+        # of this rank's main thread holds up: [Note: fresh entries].
+        self.own_store: Store | None = None
+        self.answered = 0  # the latest ask (the value of _ASKED) an entry of it answered
+        self.polled = 0.0  # when the publisher last read _ASKED (monotonic)
 
     def entry(self) -> dict[str, Any]:
         waiting = self.waiting
@@ -146,6 +167,7 @@ class _Rank:
             "recent": [e.as_dict() for e in list(self.ring)[-_PUBLISHED:]],
             "waiting": None if waiting is None else {**waiting[0].as_dict(), "since": waiting[1]},
             "exited": self.exited,
+            "answered": self.answered,
         }
 
     def marker(self) -> tuple[int, int]:
@@ -154,14 +176,49 @@ class _Rank:
         ``_interval()`` later)."""
         return (id(self.ring[-1]) if self.ring else 0, id(self.waiting) if self.waiting else 0)
 
-    def publish(self) -> None:
+    def publish(self, store: Store | None = None) -> None:
+        """Write this rank's entry, through ``store`` (the publisher's own client) or the
+        world's."""
         self.published = self.marker()
         self.last = time.monotonic()
         try:
-            if self.store is not None:
-                self.store.set(_KEY.format(self.rank), json.dumps(self.entry()))
+            store = store or self.store
+            if store is not None:
+                store.set(_KEY.format(self.rank), json.dumps(self.entry()))
         except Exception:  # the store is gone (its host exited): nothing to tell
             pass
+
+    def serve(self) -> None:
+        """One round of the publisher for this rank: answer a report's ask at once, else
+        publish what changed, at most once an interval ([Note: fresh entries])."""
+        if self.store is None:
+            return
+        store = self.publisher_store()
+        now = time.monotonic()
+        if now - self.polled >= _poll_period():
+            self.polled = now
+            try:
+                asked = store.add(_ASKED, 0)
+            except Exception:  # the store is gone: nobody left to ask
+                asked = 0
+            if asked > self.answered:
+                self.answered = asked
+                self.publish(store)
+                return
+        if self.marker() != self.published and now - self.last >= _interval():
+            self.publish(store)
+
+    def publisher_store(self) -> Store:
+        if self.own_store is None:
+            shared = self.store
+            if shared is None:
+                raise AssertionError(f"rank {self.rank}: expected a store to clone, found none")
+            clone = getattr(shared, "clone", None)  # not in every Store's stubs
+            try:
+                self.own_store = shared if clone is None else clone()
+            except Exception:  # a store that cannot be cloned: share the rank's client
+                self.own_store = shared
+        return self.own_store
 
 
 # Each rank's state per process group it issued on, and per world (its default group); weakly,
@@ -212,17 +269,20 @@ def wait(work: dist.Work, event: Event, device: torch.device, phase: str = "") -
         return
     state = event.rank
     state.waiting = (event, time.time())
+    # A wait that ends in our error leaves the rank "blocked in" the collective for its peers'
+    # reports: the group is unusable after it, and a peer whose deadline passes a moment later
+    # reads the same line whether this rank has raised yet or not (its answer is fresh).
     try:
-        try:
-            finished = waits.wait(work, event.group)
-        except Exception as e:
-            raise CollectiveFailedError(_failure(event, phase, e)) from e
-        if not finished:
-            state.publish()
-            time.sleep(_interval())  # the peers' publishers catch up with their latest state
-            raise CollectiveTimeoutError(_report(event, phase))
-    finally:
+        finished = waits.wait(work, event.group)
+    except Exception as e:
+        raise CollectiveFailedError(_failure(event, phase, e)) from e
+    except BaseException:  # interrupted (KeyboardInterrupt): no longer in it
         state.waiting = None
+        raise
+    if not finished:
+        state.publish()
+        raise CollectiveTimeoutError(_report(event, phase))  # asks the peers: fresh entries
+    state.waiting = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,16 +300,17 @@ def _start_publisher() -> None:
 def _publish_loop() -> None:
     while True:
         # Short naps, so that a timeout lowered at run time (tests) takes effect at once.
-        interval = _interval()
-        time.sleep(min(interval, 0.5))
-        try:
-            states = list(_states)  # a rank thread may add one meanwhile: then, next time
-        except RuntimeError:
-            continue
-        for state in states:
-            if state.marker() != state.published and time.monotonic() - state.last >= interval:
-                state.publish()
+        time.sleep(min(_poll_period(), 0.5))
+        for state in _live_states():
+            state.serve()
             _watch(state)
+
+
+def _live_states() -> list[_Rank]:
+    try:
+        return list(_states)
+    except RuntimeError:  # a rank thread added one meanwhile: then, next time
+        return []
 
 
 def _watch(state: _Rank) -> None:
@@ -284,16 +345,25 @@ def _at_exit() -> None:
 
 
 def _interval() -> float:
-    """Seconds between two publications: a report sees entries at most this old."""
+    """Seconds between two publications of what changed (a report asks for fresher ones)."""
     return min(timeout_s() / 4, 30.0)
 
 
-def _read(state: _Rank, ranks: list[int]) -> dict[int, dict[str, Any]]:
-    """Every listed rank's published entry; never blocks on a rank that published nothing."""
-    entries: dict[int, dict[str, Any]] = {}
-    store = state.store
-    if store is None:
-        return entries
+def _poll_period() -> float:
+    """Seconds between two reads of the ask counter by a publisher: several per
+    ``_answer_wait()``, and no more than one per 2 s, the store's load on a large job."""
+    return min(_interval() / 4, 2.0)
+
+
+def _answer_wait() -> float:
+    """How long a report waits for its peers' answers: a publishing interval (what it slept
+    before it asked), at least a second, which a loaded machine may take to run a thread."""
+    return max(_interval(), 1.0)
+
+
+def _read(store: Store, ranks: list[int], entries: dict[int, dict[str, Any]]) -> None:
+    """Every listed rank's published entry, into ``entries``; never blocks on a rank that
+    published nothing."""
     try:
         for rank in ranks:
             key = _KEY.format(rank)
@@ -301,7 +371,41 @@ def _read(state: _Rank, ranks: list[int]) -> dict[int, dict[str, Any]]:
                 entries[rank] = json.loads(store.get(key))
     except Exception:  # a dead store: report what was read
         pass
-    return entries
+
+
+def _answered(entry: dict[str, Any] | None, asked: int) -> bool:
+    """Whether ``entry`` is fresh: it answered ask ``asked`` or a later one, or its rank
+    exited (its last entry, written at exit)."""
+    return entry is not None and (
+        entry.get("answered", 0) >= asked or entry.get("exited") is not None
+    )
+
+
+def _collect(state: _Rank, ranks: list[int]) -> tuple[dict[int, dict[str, Any]], set[int]]:
+    """The peers' entries, fresh where they answer within ``_answer_wait()``, and which ranks
+    did not answer ([Note: fresh entries])."""
+    entries: dict[int, dict[str, Any]] = {}
+    peers = [rank for rank in ranks if rank != state.rank]
+    store = state.store
+    if store is None:
+        return entries, set(peers)
+    try:
+        asked = store.add(_ASKED, 1)
+    except Exception:  # a dead store: nobody can answer
+        _read(store, peers, entries)
+        return entries, set(peers)
+    deadline = time.monotonic() + _answer_wait()
+    pending = peers
+    while True:
+        _read(store, pending, entries)
+        pending = [rank for rank in pending if not _answered(entries.get(rank), asked)]
+        if not pending or time.monotonic() >= deadline:
+            return entries, set(pending)
+        # On the threaded process group the peers are threads of this process, and their
+        # publisher may be this very thread (_watch): answer for them here too.
+        for local in _live_states():
+            local.serve()
+        time.sleep(min(_poll_period(), 0.5) / 2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,11 +424,11 @@ def describe(event: dict[str, Any]) -> str:
 def _whereabouts(entry: dict[str, Any], now: float) -> str:
     waiting, exited = entry["waiting"], entry.get("exited")
     last = entry["recent"][-1] if entry["recent"] else None
-    if waiting is not None:
-        where = f"blocked in {describe(waiting)} for {now - waiting['since']:.1f} s"
-    elif exited is not None:
+    if exited is not None:  # first: a rank that raised from a wait still names it as waiting
         where = f"its process EXITED {now - exited['time']:.1f} s ago ({exited['how']})"
         where += f", after issuing {describe(last)}" if last else ""
+    elif waiting is not None:
+        where = f"blocked in {describe(waiting)} for {now - waiting['since']:.1f} s"
     elif last is None:
         where = "has issued no fsdp2 collective"
     else:
@@ -335,11 +439,23 @@ def _whereabouts(entry: dict[str, Any], now: float) -> str:
     return f"{where} [published {now - entry['time']:.1f} s ago]"
 
 
-def _rank_line(rank: int, entry: dict[str, Any] | None, target: dict[str, Any], now: float) -> str:
+def _rank_line(
+    rank: int, entry: dict[str, Any] | None, target: dict[str, Any], now: float, fresh: bool
+) -> str:
     if entry is None:
-        return f"rank {rank}: published nothing (never issued an fsdp2 collective, or died)"
+        return (
+            f"rank {rank}: published nothing and did not answer within {_answer_wait():.1f} s "
+            "(never issued an fsdp2 collective, or died)"
+        )
     issued = entry["counts"].get(target["group"], 0)
     where = _whereabouts(entry, now)
+    if not fresh:  # [Note: fresh entries]: what it knew then, never a verdict on now
+        so_far = f"#0-#{issued - 1}" if issued else "none"
+        return (
+            f"rank {rank}: NO ANSWER within {_answer_wait():.1f} s, so its entry may be behind "
+            f"(its publisher thread did not run in time: a loaded machine, or a call holding the GIL); when "
+            f"published, it had issued {so_far} on this group; {where}"
+        )
     if issued <= target["seq"]:
         so_far = f"only #0-#{issued - 1}" if issued else "none"
         return f"rank {rank}: MISSING, issued {so_far} on this group; {where}"
@@ -357,12 +473,13 @@ def _rank_line(rank: int, entry: dict[str, Any] | None, target: dict[str, Any], 
 def describe_ranks(event: Event, ranks: list[int], own: str = "blocked in it") -> list[str]:
     """One line per rank of ``ranks``: where it is, relative to ``event`` (``own``: what to say
     of the rank that issued ``event``)."""
-    state, now, target = event.rank, time.time(), event.as_dict()
-    entries = _read(state, ranks)
+    state, target = event.rank, event.as_dict()
+    entries, silent = _collect(state, ranks)
+    now = time.time()
     return [
         f"rank {rank} (this rank): {own}"
         if rank == state.rank
-        else _rank_line(rank, entries.get(rank), target, now)
+        else _rank_line(rank, entries.get(rank), target, now, rank not in silent)
         for rank in ranks
     ]
 

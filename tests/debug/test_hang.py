@@ -154,6 +154,21 @@ A rank MISSING from it skipped that module (control flow that depends on the ran
         )
         self.assertEqual(rank1, "skipped step 1")
 
+    def test_silent_peer(self) -> None:
+        """A peer that does not answer the report's ask within the wait is said to be behind,
+        with what its older entry knew, never MISSING ([Note: fresh entries])."""
+        rank0, rank1 = _outcomes("silent_peer", checks=False)
+        self.assertExpectedInline(
+            rank0,
+            """\
+CollectiveTimeoutError: fsdp2: rank 0 waited N s (FSDP2_COLLECTIVE_TIMEOUT) for the all-gather #17 for `<root>` (18 elements, float32) on the process group of ranks [0, 1], and it has not finished.
+Where each rank is (from the c10d store):
+  rank 0 (this rank): blocked in it
+  rank 1: NO ANSWER within N s, so its entry may be behind (its publisher thread did not run in time: a loaded machine, or a call holding the GIL); when published, it had issued #0-#16 on this group; not in an fsdp2 collective (busy elsewhere, finished or raised); last seen N s ago issuing reduce-scatter #16 for `<root>` (40 elements, float32) [published N s ago]
+A rank MISSING from it skipped that module (control flow that depends on the rank or the data: MoE routing, a layer skipped for some inputs or shapes), raised, or never started the step. A rank on a DIFFERENT collective got out of step earlier: collectives pair up by order, not by module, so earlier ones may have exchanged wrong data. The process group is unusable now (a collective is half done): abort the job on every rank. FSDP2_CHECK_COLLECTIVES=1 stops at the first collective where the ranks disagree, with both sides named.""",
+        )
+        self.assertEqual(rank1, "skipped step 1")
+
 
 COALESCED = (
     "zero2_step_on_rank0",
@@ -463,6 +478,20 @@ Where each rank is (from the c10d store):
   rank 1: MISSING, issued only #0-#16 on this group; its process EXITED N s ago (normally), after issuing reduce-scatter #16 for `<root>` (40 elements, float32) [published N s ago]
 Likely cause: a peer rank is gone. A rank whose process EXITED ended its training loop before the others (e.g. its data loader ran out of batches first); one that published nothing more may have crashed (see its own log). Fix: give every rank the same number of batches (DistributedSampler(..., drop_last=True), or stop every rank's loop when one runs out). The process group is unusable now: abort the job on every rank.""",
         )
+
+
+def test_peer_whose_store_client_is_busy() -> None:
+    """A peer whose store client is held by another request (a rendezvous, a barrier) is read
+    fresh all the same: its publisher writes through a client of its own and answers the
+    report's ask ([Note: fresh entries]). Its entry once predated the whole step ("issued none
+    on this group"), and the report called it MISSING from collectives it had issued."""
+    proc = launch("tests/hang_scenarios.py", 2, "busy_store", timeout=120)
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, proc.stdout + proc.stderr
+    rank1 = lines[0]["outcome"].split("\n")[3]
+    assert rank1.startswith(
+        "  rank 1: MISSING, issued only #0-#16 on this group; not in an fsdp2 collective"
+    ), lines[0]["outcome"]
 
 
 @pytest.mark.parametrize("checks, coalesce", [(False, False), (False, True), (True, False)])
