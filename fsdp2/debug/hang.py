@@ -171,6 +171,10 @@ _by_world: weakref.WeakKeyDictionary[dist.ProcessGroup, _Rank] = weakref.WeakKey
 _states: weakref.WeakSet[_Rank] = weakref.WeakSet()
 _unpublished = _Rank(-1, None)  # a group outside any default group's world: nowhere to publish
 _thread: threading.Thread | None = None
+# Set at exit: the publisher stops before finalization begins. A daemon thread still inside a
+# store call then (the call releases the GIL) would take the GIL back in a C++ destructor after
+# finalization began, which ends the thread there: SIGABRT at exit.
+_stopping = threading.Event()
 
 
 def _rank_of(group: dist.ProcessGroup) -> _Rank:
@@ -238,10 +242,9 @@ def _start_publisher() -> None:
 
 
 def _publish_loop() -> None:
-    while True:
-        # Short naps, so that a timeout lowered at run time (tests) takes effect at once.
+    # Short naps, so that a timeout lowered at run time (tests) takes effect at once.
+    while not _stopping.wait(min(_interval(), 0.5)):
         interval = _interval()
-        time.sleep(min(interval, 0.5))
         try:
             states = list(_states)  # a rank thread may add one meanwhile: then, next time
         except RuntimeError:
@@ -275,12 +278,18 @@ def _watch(state: _Rank) -> None:
 def _at_exit() -> None:
     """The interpreter is exiting (the script ended, or raised): tell the peers, which may still
     wait for this rank in a collective (its data loader ran out a batch before theirs)."""
+    _stopping.set()
+    if _thread is not None:
+        _thread.join(timeout=_EXIT_JOIN_S)
     error = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)  # uncaught
     how = "normally" if error is None else f"after an uncaught {type(error).__name__}"
     for state in list(_states):
         if state.ring:
             state.exited = {"time": time.time(), "how": how}
             state.publish()
+
+
+_EXIT_JOIN_S = 5.0  # a publisher blocked on a store whose host is gone is left behind
 
 
 def _interval() -> float:
