@@ -18,7 +18,9 @@ collective was waited on, :func:`settle_later` watches its tensors weakly, and a
 hook (run before finalization begins) waits for the watched ones to die, napping so that the
 backend's thread can take the GIL. A work never waited on is not watched (a rank that raised
 mid-step must not wait at exit for a gather it left in flight), nor are the pluggable
-collectives' (comm.py), whose tensors are the plugin's own.
+collectives' (comm.py), whose tensors are the plugin's own. fsdp2's own thread that calls into
+C++ with the GIL released, the hang report's publisher, is stopped and joined at exit for the
+same reason (debug/hang.py).
 """
 
 from __future__ import annotations
