@@ -2,13 +2,17 @@
 
     torchrun --standalone --nproc-per-node 2 benchmarks/full_weights.py
     torchrun --standalone --nproc-per-node 4 benchmarks/full_weights.py --layers 8 --dim 512
+    torchrun --standalone --nproc-per-node 2 benchmarks/full_weights.py --dim 512 \
+        --bucket-mib 8 32 256 --contenders torch fsdp2
 
 The examples' GPT, fsdp2's fully_shard on each block and on the root, gathered onto rank 0's
 CPU by each contender in turn, round after round (the same load of a shared machine for all):
   torch       get_model_state_dict(full_state_dict=True, cpu_offload=True): the whole model
   fsdp2       iter_full_weights(device="cpu", rank=0), each bucket dropped once received
   fsdp2-all   the same with rank=None: every rank receives every bucket
-Time: the median over rounds, bracketed by barriers. Peak: bytes above what was live before,
+With several --bucket-mib, fsdp2 and fsdp2-all run once per bucket size ("fsdp2@8"), all
+interleaved in each round; each is also given as its median ratio to torch's time in the same
+round. Time: the median over rounds, bracketed by barriers. Peak: bytes above what was live before,
 counted by the CPU allocator (measure.CPUMemory, every thread) on CPU, or
 torch.cuda.max_memory_allocated with --device cuda; on rank 0 and the largest over ranks.
 """
@@ -35,7 +39,16 @@ from workloads import ModelSize, blocks_of, build_model
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
 parser.add_argument("--layers", type=int, default=8, help="(%(default)s)")
 parser.add_argument("--dim", type=int, default=256, help="(%(default)s)")
-parser.add_argument("--bucket-mib", type=float, default=1.0, help="fsdp2's bucket (%(default)s)")
+parser.add_argument(
+    "--bucket-mib", type=float, nargs="+", default=[1.0], help="fsdp2's buckets (%(default)s)"
+)
+parser.add_argument(
+    "--contenders",
+    nargs="+",
+    choices=["torch", "fsdp2", "fsdp2-all"],
+    default=["torch", "fsdp2", "fsdp2-all"],
+    help="(%(default)s)",
+)
 parser.add_argument("--rounds", type=int, default=5, help="(%(default)s)")
 parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="(%(default)s)")
 args = parser.parse_args()
@@ -57,7 +70,6 @@ for block in blocks_of(model):
     fully_shard(block)
 fully_shard(model)
 model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-bucket_bytes = int(args.bucket_mib * 2**20)
 
 
 def torch_full() -> None:
@@ -66,7 +78,7 @@ def torch_full() -> None:
     del state
 
 
-def fsdp2_full(to_rank: int | None) -> Callable[[], None]:
+def fsdp2_full(to_rank: int | None, bucket_bytes: int) -> Callable[[], None]:
     def run() -> None:
         for bucket in iter_full_weights(
             model, device="cpu", rank=to_rank, bucket_bytes=bucket_bytes
@@ -76,7 +88,19 @@ def fsdp2_full(to_rank: int | None) -> Callable[[], None]:
     return run
 
 
-CONTENDERS = {"torch": torch_full, "fsdp2": fsdp2_full(0), "fsdp2-all": fsdp2_full(None)}
+def contenders() -> dict[str, Callable[[], None]]:
+    found: dict[str, Callable[[], None]] = {}
+    if "torch" in args.contenders:
+        found["torch"] = torch_full
+    for mib in args.bucket_mib:
+        suffix = f"@{mib:g}" if len(args.bucket_mib) > 1 else ""
+        for name, to_rank in (("fsdp2", 0), ("fsdp2-all", None)):
+            if name in args.contenders:
+                found[name + suffix] = fsdp2_full(to_rank, int(mib * 2**20))
+    return found
+
+
+CONTENDERS = contenders()
 counter = CPUMemory() if device is None else None
 
 
@@ -117,14 +141,21 @@ dist.all_gather(every_peak, mine)
 if rank == 0:
     mib = 2**20
     print(f"GPT {args.layers}x{args.dim}: {model_bytes / mib:.1f} MiB of parameters, W={world}")
-    print(f"fsdp2 bucket: {bucket_bytes / mib:.2f} MiB; {args.rounds} rounds, {args.device}")
+    buckets = ", ".join(f"{b:g}" for b in args.bucket_mib)
+    print(f"fsdp2 bucket: {buckets} MiB; {args.rounds} rounds, {args.device}")
     print(
-        f"{'contender':<10} {'median s':>9} {'min s':>8} {'rank-0 peak MiB':>16} {'max peak MiB':>13}"
+        f"{'contender':<14} {'median s':>9} {'min s':>8} {'/ torch':>8} "
+        f"{'rank-0 peak MiB':>16} {'max peak MiB':>13}"
     )
     for i, name in enumerate(CONTENDERS):
         largest = max(int(p[i]) for p in every_peak)
+        ratio = (
+            statistics.median(t / r for t, r in zip(times[name], times["torch"], strict=True))
+            if "torch" in times
+            else float("nan")
+        )
         print(
-            f"{name:<10} {statistics.median(times[name]):9.4f} {min(times[name]):8.4f} "
-            f"{peaks[name] / mib:16.2f} {largest / mib:13.2f}"
+            f"{name:<14} {statistics.median(times[name]):9.4f} {min(times[name]):8.4f} "
+            f"{ratio:8.2f} {peaks[name] / mib:16.2f} {largest / mib:13.2f}"
         )
 dist.destroy_process_group()

@@ -198,7 +198,8 @@ class _Rank:
         if now - self.polled >= _poll_period():
             self.polled = now
             try:
-                asked = store.add(_ASKED, 0)
+                # A read, not add(_ASKED, 0): a FileStore appends a record per add.
+                asked = int(store.get(_ASKED)) if store.check([_ASKED]) else 0
             except Exception:  # the store is gone: nobody left to ask
                 asked = 0
             if asked > self.answered:
@@ -228,6 +229,10 @@ _by_world: weakref.WeakKeyDictionary[dist.ProcessGroup, _Rank] = weakref.WeakKey
 _states: weakref.WeakSet[_Rank] = weakref.WeakSet()
 _unpublished = _Rank(-1, None)  # a group outside any default group's world: nowhere to publish
 _thread: threading.Thread | None = None
+# Set at exit: the publisher stops before finalization begins. A daemon thread still inside a
+# store call then (the call releases the GIL) would take the GIL back in a C++ destructor after
+# finalization began, which ends the thread there: SIGABRT at exit.
+_stopping = threading.Event()
 
 
 def _rank_of(group: dist.ProcessGroup) -> _Rank:
@@ -298,9 +303,9 @@ def _start_publisher() -> None:
 
 
 def _publish_loop() -> None:
-    while True:
-        # Short naps, so that a timeout lowered at run time (tests) takes effect at once.
-        time.sleep(min(_poll_period(), 0.5))
+    # Short naps, so that a timeout lowered at run time (tests) takes effect at once; the
+    # event ends the loop at exit (see _at_exit).
+    while not _stopping.wait(min(_poll_period(), 0.5)):
         for state in _live_states():
             state.serve()
             _watch(state)
@@ -336,12 +341,18 @@ def _watch(state: _Rank) -> None:
 def _at_exit() -> None:
     """The interpreter is exiting (the script ended, or raised): tell the peers, which may still
     wait for this rank in a collective (its data loader ran out a batch before theirs)."""
+    _stopping.set()
+    if _thread is not None:
+        _thread.join(timeout=_EXIT_JOIN_S)
     error = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)  # uncaught
     how = "normally" if error is None else f"after an uncaught {type(error).__name__}"
     for state in list(_states):
         if state.ring:
             state.exited = {"time": time.time(), "how": how}
             state.publish()
+
+
+_EXIT_JOIN_S = 5.0  # a publisher blocked on a store whose host is gone is left behind
 
 
 def _interval() -> float:

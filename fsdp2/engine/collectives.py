@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from fsdp2.debug import checks, hang, switches
 from fsdp2.debug.waiting import is_gloo
+from fsdp2.engine.handover import alias, drop, hand, settle_later
 from fsdp2.engine.releases import RULES
 
 __all__ = [
@@ -164,9 +165,10 @@ class Pending:
     """An issued collective; ``wait()`` returns once its output may be read (or raises the hang
     report after ``FSDP2_COLLECTIVE_TIMEOUT`` seconds: see [Note: the hang report]).
     ``then``: a copy ``(dst, src)`` to make once the collective finished (see
-    :func:`reduce_scatter` on gloo)."""
+    :func:`reduce_scatter` on gloo). ``handed``: the tensors the backend got (handover.py), let
+    go of once waited on; with ``empty``, emptied first."""
 
-    __slots__ = ("_device", "_event", "_release", "_then", "_work")
+    __slots__ = ("_device", "_empty", "_event", "_handed", "_then", "_work")
 
     def __init__(
         self,
@@ -174,14 +176,17 @@ class Pending:
         event: hang.Event | None = None,
         device: torch.device | None = None,
         then: tuple[torch.Tensor, torch.Tensor] | None = None,
-        release: list[torch.Tensor] | None = None,
+        handed: list[torch.Tensor] | None = None,
+        empty: bool = False,
     ) -> None:
         self._work = work
         self._event = event
         self._device = device
         self._then = then
-        # The backend's aliases of the caller's tensors, emptied once waited on.
-        self._release = release
+        # What the backend holds of the caller's tensors: watched once waited on, so that exit
+        # waits for the backend's threads to let go (handover.py).
+        self._handed = handed
+        self._empty = empty
 
     def wait(self) -> None:
         if self._work is not None:
@@ -194,9 +199,9 @@ class Pending:
                 dst, src = self._then
                 dst.copy_(src)
                 self._then = None
-            for tensor in self._release or ():
-                _drop(tensor)
-            self._release = None
+            if self._handed is not None:
+                _let_go(self._handed, self._empty)
+                self._handed = None
 
     def done(self) -> bool:
         """Whether ``wait()`` would return at once (never blocks)."""
@@ -215,7 +220,9 @@ def all_gather(
     event = _note("all_gather", label, inp, out, group)
     if comm is not None:
         return Pending(comm(out, inp, group, async_op=True), event, inp.device)
-    return Pending(_all_gather_single(out, inp, group=group, async_op=True), event, inp.device)
+    handed = [hand(out), hand(inp)]
+    work = _all_gather_single(handed[0], handed[1], group=group, async_op=True)
+    return Pending(work, event, inp.device, handed=handed)
 
 
 def all_gather_in_place(
@@ -235,7 +242,7 @@ def all_gather_in_place(
     A backend's work may hold its tensors a while after it finished (gloo's workers drop them
     a moment after ``wait()`` returns), which would keep the caller's buffer alive into its
     next one: the backend gets aliases of its own (not views: a view holds its base), emptied
-    once waited on."""
+    once waited on, then watched until the backend lets go (handover.py)."""
     world, rank = group.size(), group.rank()
     device, dtype, total = outs[0].device, outs[0].dtype, sum(out.numel() for out in outs)
     # The hang report, the checks and the records see one collective of the total size.
@@ -243,7 +250,7 @@ def all_gather_in_place(
     event = _note("all_gather", label, inp, inp.new_empty(total), group, device)
     if is_gloo(group, device):
         roots = dist.get_process_group_ranks(group)
-        rows = [_alias(row) for out in outs for row in out.view(world, -1).unbind(0)]
+        rows = [alias(row) for out in outs for row in out.view(world, -1).unbind(0)]
         works = [
             dist.broadcast(row, roots[index % world], group=group, async_op=True)
             for index, row in enumerate(rows)
@@ -251,30 +258,29 @@ def all_gather_in_place(
         for work in works:
             if work is not None:
                 hang.wait(work, event, device)
-        for row in rows:
-            _drop(row)
+        del works
+        _let_go(rows, empty=True)
         return Pending(None)
-    pairs = [(_alias(out), _alias(out.view(world, -1)[rank])) for out in outs]
+    pairs = [(alias(out), alias(out.view(world, -1)[rank])) for out in outs]
     with dist._coalescing_manager(group=group, async_ops=True) as manager:  # type: ignore[attr-defined]
         for view, mine in pairs:
             _all_gather_single(view, mine, group=group)
     if len(manager.works) != 1:  # the coalesced launch: one work for all of them
         raise AssertionError(f"{label}: expected one coalesced work, got {len(manager.works)}")
-    release = [tensor for pair in pairs for tensor in pair]
-    return Pending(manager.works[0], event, device, release=release)
+    handed = [tensor for pair in pairs for tensor in pair]
+    work = manager.works[0]
+    del manager, pairs  # the backend's aliases are held by the returned Pending alone
+    return Pending(work, event, device, handed=handed, empty=True)
 
 
-def _alias(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor on ``tensor``'s memory that keeps nothing else alive (a view keeps its base)."""
-    alias = tensor.new_empty(0)
-    return alias.set_(
-        tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride()
-    )
-
-
-def _drop(tensor: torch.Tensor) -> None:
-    """Let go of ``tensor``'s memory (whoever still holds the tensor sees it empty)."""
-    tensor.set_()  # type: ignore[call-overload]
+def _let_go(handed: list[torch.Tensor], empty: bool = False) -> None:
+    """The seam is done with the tensors a waited collective was handed (emptied first with
+    ``empty``): watch them until the backend drops them too (handover.py). Clears ``handed``."""
+    if empty:
+        for tensor in handed:
+            drop(tensor)
+    settle_later(handed)
+    handed.clear()
 
 
 def reduce_scatter(
@@ -297,11 +303,13 @@ def reduce_scatter(
         # same bytes, so bitwise the same result) with a work that honours both, and no clone.
         # (c10d sees an all-reduce: observers below the seam tell it by the "reduce_scatter"
         # record just before it.)
-        work = dist.all_reduce(inp, op=op, group=group, async_op=True)
+        handed = [hand(inp)]
+        work = dist.all_reduce(handed[0], op=op, group=group, async_op=True)
         chunk = inp.view(group.size(), -1)[group.rank()]
-        return Pending(work, event, inp.device, then=(out, chunk))
-    work = _reduce_scatter_single(out, inp, op=op, group=group, async_op=True)
-    return Pending(work, event, inp.device)
+        return Pending(work, event, inp.device, then=(out, chunk), handed=handed)
+    handed = [hand(out), hand(inp)]
+    work = _reduce_scatter_single(handed[0], handed[1], op=op, group=group, async_op=True)
+    return Pending(work, event, inp.device, handed=handed)
 
 
 def all_reduce(
@@ -309,8 +317,9 @@ def all_reduce(
 ) -> Pending:
     """Reduce ``tensor`` in place over ``group`` (HSDP's replicas, replicate-only training)."""
     event = _note("all_reduce", label, tensor, tensor, group)
-    work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
-    return Pending(work, event, tensor.device)
+    handed = [hand(tensor)]
+    work = dist.all_reduce(handed[0], op=op, group=group, async_op=True)
+    return Pending(work, event, tensor.device, handed=handed)
 
 
 def _note(
@@ -332,10 +341,21 @@ def _note(
             check = CollectiveRecord("check", label, size, size * group.size(), group.size())
             for records in _recorders:
                 records.append(check)
-        checks.verify(event, device or inp.device, _all_gather_single)
+        checks.verify(event, device or inp.device, _gather_handed)
     if _recorders:
         _record(kind, label, inp, out, group)
     return event
+
+
+def _gather_handed(
+    out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+) -> dist.Work | None:
+    """The checks' fingerprint gather (checks.py waits on it): its tensors watched at once,
+    since the checks keep none of them."""
+    handed = [hand(out), hand(inp)]
+    work = _all_gather_single(handed[0], handed[1], group=group, async_op=async_op)
+    _let_go(handed)
+    return cast("dist.Work | None", work)
 
 
 def all_to_all(
@@ -350,10 +370,11 @@ def all_to_all(
     ``group``; rank j's split for this rank lands in ``out``'s j-th split (``out_splits[j]``).
     Splits may be uneven (and zero): matrix optimizers move whole matrices' shards this way."""
     event = _note("all_to_all", label, inp, out, group)
+    handed = [hand(out), hand(inp)]
     work = dist.all_to_all_single(
-        out, inp, list(out_splits), list(in_splits), group=group, async_op=True
+        handed[0], handed[1], list(out_splits), list(in_splits), group=group, async_op=True
     )
-    return Pending(work, event, inp.device)
+    return Pending(work, event, inp.device, handed=handed)
 
 
 def agree_ints(
@@ -365,7 +386,9 @@ def agree_ints(
     out = inp.new_empty(group.size() * inp.numel())
     if _recorders:
         _record("agree", "", inp, out, group)
-    _all_gather_single(out, inp, group=group)
+    handed = [hand(out), hand(inp)]
+    _all_gather_single(handed[0], handed[1], group=group)
+    _let_go(handed)  # often a script's last collective (iter_full_weights' closing exchange)
     return cast("list[list[int]]", out.view(group.size(), -1).tolist())
 
 

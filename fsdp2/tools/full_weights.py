@@ -35,11 +35,8 @@ from torch.distributed.tensor import DTensor
 from fsdp2.engine.collectives import agree_ints, all_gather_in_place
 from fsdp2.tools.weight_plan import Bucket, WeightItem, agreement_groups, plan_buckets
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "iter_full_weights", "walk"]
+__all__ = ["iter_full_weights", "walk"]
 
-# Large enough that each all-gather is bandwidth-bound on any backend (NCCL reaches its peak
-# bandwidth well below this), small enough to sit beside a training job's free memory.
-DEFAULT_BUCKET_BYTES = 256 * 2**20
 _LABEL = "iter_full_weights"
 
 _OK, _CLOSED, _FAILED = 0, 1, 2  # a rank's status code, in its headers and the closing exchange
@@ -52,7 +49,7 @@ def iter_full_weights(
     *,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | None = None,
     rank: int | None = None,
     buffers: bool = True,
 ) -> Iterator[Named]:
@@ -83,12 +80,16 @@ def iter_full_weights(
             fewer bytes move); ``None`` keeps each tensor's own. Other dtypes are kept.
         device: where the tensors are handed out (``"cpu"`` to offload); ``None``: the device
             their mesh gathers on, buffers and unmanaged tensors where they are.
-        bucket_bytes: the most bytes of full tensors (in ``dtype``) per bucket; default 256 MiB.
+        bucket_bytes: the most bytes of full tensors (in ``dtype``) per bucket. ``None`` (the
+            default): 16 MiB where gloo gathers (its in-place broadcasts slow down with the
+            bucket: 8-32 MiB took 0.4-0.6x the time of torch's ``get_model_state_dict``, 256 MiB
+            0.7-0.9x, and up to 2.1x in an earlier run), 256 MiB on NCCL and other backends
+            (bandwidth-bound well below it).
         rank: only this (global) rank receives the buckets; the others yield nothing but take
             part in every collective. ``None``: every rank receives every bucket.
         buffers: also hand out the persistent buffers that ``state_dict()`` holds.
     """
-    if bucket_bytes < 1:
+    if bucket_bytes is not None and bucket_bytes < 1:
         raise ValueError(f"iter_full_weights expects bucket_bytes >= 1, got {bucket_bytes}")
     world = dist.get_world_size() if dist.is_initialized() else 1
     if rank is not None and not 0 <= rank < world:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fsdp2.tools.full_weights import DEFAULT_BUCKET_BYTES, walk
+from fsdp2.tools.full_weights import walk
 from fsdp2.tools.weight_plan import Bucket, WeightItem, plan_buckets
 
 __all__ = ["save_hf_safetensors"]
@@ -72,7 +72,7 @@ def save_hf_safetensors(
     *,
     dtype: torch.dtype | None = None,
     max_shard_size: int | str = "5GB",
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | None = None,
     parallel: bool = True,
 ) -> list[str]:
     """Write a sharded ``module``'s full weights as Hugging Face safetensors files that
@@ -92,7 +92,8 @@ def save_hf_safetensors(
             checkpoints); ``None`` keeps each tensor's own.
         max_shard_size: the most bytes per file (a larger tensor gets a file of its own), an
             int or a string such as ``"5GB"`` or ``"500MiB"``, as ``save_pretrained`` takes it.
-        bucket_bytes: the most bytes gathered at once (see :func:`iter_full_weights`).
+        bucket_bytes: the most bytes gathered at once; ``None``: the backend's default (see
+            :func:`iter_full_weights`).
         parallel: file ``k`` is written by rank ``k`` modulo the world size; ``False``: rank 0
             writes every file and the other ranks only take part in the gathers.
     """

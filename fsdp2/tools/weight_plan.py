@@ -29,12 +29,29 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from fsdp2.debug.waiting import is_gloo
 from fsdp2.engine.mesh import device_of
 from fsdp2.engine.param import FSDPParam
 from fsdp2.engine.param_group import FSDPParamGroup
 from fsdp2.engine.state import STATES, TrainingState
 
-__all__ = ["HEADER_BYTES", "Bucket", "WeightItem", "agreement_groups", "plan_buckets"]
+__all__ = [
+    "GLOO_BUCKET_BYTES",
+    "HEADER_BYTES",
+    "NCCL_BUCKET_BYTES",
+    "Bucket",
+    "WeightItem",
+    "agreement_groups",
+    "plan_buckets",
+]
+
+# The default bucket, per backend of the gathers. NCCL (and any backend but gloo): large enough
+# that each all-gather is bandwidth-bound (NCCL reaches its peak well below this), small enough
+# to sit beside a training job's free memory. gloo: W in-place broadcasts per parameter
+# (collectives.all_gather_in_place) run slower the larger the bucket, well past where the
+# per-bucket costs stop mattering (benchmarks/README.md, "Full weights out", issue 40).
+NCCL_BUCKET_BYTES = 256 * 2**20
+GLOO_BUCKET_BYTES = 16 * 2**20
 
 HEADER_BYTES = 16  # two int64: the rank's status code and its global rank
 _ALIGN = 16  # every chunk starts at a multiple of this many bytes of the block
@@ -121,10 +138,13 @@ def _aligned(nbytes: int) -> int:
 
 
 def plan_buckets(
-    module: nn.Module, dtype: torch.dtype | None, bucket_bytes: int, buffers: bool
+    module: nn.Module, dtype: torch.dtype | None, bucket_bytes: int | None, buffers: bool
 ) -> list[Bucket]:
-    """The buckets of ``module``'s full weights, in ``state_dict()`` order."""
+    """The buckets of ``module``'s full weights, in ``state_dict()`` order; ``bucket_bytes``
+    ``None``: the default of the backend that gathers them."""
     items = _items(module, dtype, buffers)
+    if bucket_bytes is None:
+        bucket_bytes = _default_bucket_bytes(items)
     buckets: list[Bucket] = []
     for item in items:
         if not buckets or not buckets[-1].takes(item, bucket_bytes):
@@ -167,6 +187,17 @@ def _items(module: nn.Module, dtype: torch.dtype | None, buffers: bool) -> list[
         )
     _refuse_extensions(items)
     return items
+
+
+def _default_bucket_bytes(items: list[WeightItem]) -> int:
+    """gloo's default where gloo runs any of the gathers, else NCCL's: decided from the groups'
+    backends, the same on every rank, so every rank cuts the same buckets."""
+    for item in items:
+        if item.gathered and item.group is not None:
+            group = item.group.info.shard_group
+            if group is not None and is_gloo(group, item.group.layout.device):
+                return GLOO_BUCKET_BYTES
+    return NCCL_BUCKET_BYTES
 
 
 def _refuse_extensions(items: list[WeightItem]) -> None:

@@ -254,6 +254,25 @@ def test_bad_arguments() -> None:
     run_on_ranks(2, _refusals)
 
 
+def _default_buckets() -> tuple[int, int, int]:
+    from fsdp2.tools.weight_plan import GLOO_BUCKET_BYTES, NCCL_BUCKET_BYTES, plan_buckets
+
+    # 24 MiB of fp32 in 12 tensors of 2 MiB: two buckets on gloo's 16 MiB, one on NCCL's 256.
+    model = nn.Sequential(*(nn.Linear(1024, 512, bias=False) for _ in range(12)))
+    plain = len(plan_buckets(model, None, None, buffers=True))  # nothing gathered: NCCL's
+    sharded = _shard(model)
+    on_gloo = len(plan_buckets(sharded, None, None, buffers=True))
+    if (GLOO_BUCKET_BYTES, NCCL_BUCKET_BYTES) != (16 * 2**20, 256 * 2**20):
+        raise AssertionError("the defaults moved: update this test's sizes")
+    return plain, on_gloo, len(plan_buckets(sharded, None, 2**30, buffers=True))
+
+
+def test_default_bucket_follows_the_backend() -> None:
+    # gloo gathers: gloo's default (16 MiB); nothing gathered on gloo: NCCL's (256 MiB).
+    for plain, on_gloo, one in run_on_ranks(2, _default_buckets):
+        assert (plain, on_gloo, one) == (1, 2, 1)
+
+
 def _subclass_weights() -> str:
     from fsdp2 import fully_shard, iter_full_weights
     from tests.engine.test_extension_legacy import _model
