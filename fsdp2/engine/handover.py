@@ -53,7 +53,9 @@ def alias(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor on ``tensor``'s memory that keeps nothing else alive (a view keeps its base),
     with a version counter of its own: :func:`drop` may empty it without touching ``tensor``."""
     new = tensor.new_empty(0)
-    return new.set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
+    return new.set_(
+        tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride()
+    )
 
 
 def drop(tensor: torch.Tensor) -> None:
