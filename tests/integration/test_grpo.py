@@ -10,7 +10,7 @@ up to rounding (one update per generation and no KL term: the ratio is 1 and a g
 sum to zero), so the gradient norms and the parameters carry most of the comparison.
 
 Needs the ``integration`` extra (trl, transformers, accelerate, datasets pinned there); skipped
-without it.
+without it, and beside torch 2.15 until checked there.
 """
 
 from __future__ import annotations
@@ -25,11 +25,19 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("datasets")
 
+from fsdp2.engine.releases import TORCH_RELEASE
 from tests.integration.assets import VOCAB_SIZE, tiny_llama
 from tests.integration.grpo_run import SEQ
 from tests.integration.torchrun_pair import Run, run_both
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    # Run bit for bit beside torch 2.13 only so far (session 19 had no 2.15 environment to spare);
+    # drop this once a run beside 2.15 is seen to match.
+    pytest.mark.skipif(
+        TORCH_RELEASE >= (2, 15), reason="GRPO parity not yet checked beside torch 2.15"
+    ),
+]
 
 SCRIPT = Path(__file__).resolve().parent / "grpo_run.py"
 TIMEOUT_S = 300  # ~30 s each on 2 idle cores; ~170 s seen beside a busy CI run
