@@ -57,3 +57,17 @@ def tiny_llama(tied: bool, vocab: int = 64, seq: int = 8) -> Any:
     )  # fmt: skip
     torch.manual_seed(0)
     return LlamaForCausalLM(config)
+
+
+def fsdp_on_cpu(trainer: Any) -> None:
+    """Take accelerate's FSDP path on CPU for a Hugging Face ``Trainer`` (or a subclass: TRL's)
+    whose accelerator was just made: accelerate takes it only on accelerators. Call it from the
+    trainer's ``create_accelerator_and_postprocess``, after ``super()``'s."""
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin(**trainer.args.fsdp_plugin_args)
+    PartialState().distributed_type = DistributedType.FSDP
+    trainer.accelerator.state.distributed_type = DistributedType.FSDP
+    trainer.accelerator.state.fsdp_plugin = plugin
+    trainer.is_fsdp_enabled = True

@@ -41,7 +41,7 @@ import torch.distributed as dist
 if __package__ in (None, ""):  # run as a script by torchrun: make `fsdp2` and `tests` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.integration.assets import VOCAB_SIZE, make_assets, tiny_llama
+from tests.integration.assets import VOCAB_SIZE, fsdp_on_cpu, make_assets, tiny_llama
 
 COMPLETION = 6  # tokens sampled per completion, on every rank alike
 SEQ = 32  # positions: prompt and completion
@@ -74,8 +74,6 @@ def main() -> None:
 
         fsdp2.patch_torch_fsdp()  # the one-line switch a framework needs
 
-    from accelerate import PartialState
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
     from datasets import Dataset
     from transformers import PreTrainedTokenizerFast, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -83,11 +81,7 @@ def main() -> None:
     class CPUFSDPGRPOTrainer(GRPOTrainer):
         def create_accelerator_and_postprocess(self) -> None:
             super().create_accelerator_and_postprocess()
-            plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
-            PartialState().distributed_type = DistributedType.FSDP
-            self.accelerator.state.distributed_type = DistributedType.FSDP
-            self.accelerator.state.fsdp_plugin = plugin
-            self.is_fsdp_enabled = True
+            fsdp_on_cpu(self)
 
     def say(line: str) -> None:
         if dist.get_rank() == 0:

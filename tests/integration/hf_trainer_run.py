@@ -32,6 +32,8 @@ import torch.distributed as dist
 if __package__ in (None, ""):  # run as a script by torchrun: make `fsdp2` and `tests` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from tests.integration.assets import fsdp_on_cpu
+
 VOCAB, SEQ, ROWS = 96, 16, 32
 LR = 2e-2
 
@@ -88,18 +90,12 @@ def main() -> None:
 
         fsdp2.patch_torch_fsdp()  # the one-line switch a framework needs
 
-    from accelerate import PartialState
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     class CPUFSDPTrainer(Trainer):
         def create_accelerator_and_postprocess(self) -> None:
             super().create_accelerator_and_postprocess()
-            plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
-            PartialState().distributed_type = DistributedType.FSDP
-            self.accelerator.state.distributed_type = DistributedType.FSDP
-            self.accelerator.state.fsdp_plugin = plugin
-            self.is_fsdp_enabled = True
+            fsdp_on_cpu(self)
 
     def say(line: str) -> None:
         if dist.get_rank() == 0:
