@@ -15,7 +15,8 @@ from torch.distributed.fsdp._fully_shard._fully_shard import FSDPModule as Torch
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp2.engine.agreement import check_fully_shard
-from fsdp2.engine.mesh import MeshInfo, default_mesh, device_of, hfsdp_info, mesh_info
+from fsdp2.engine.mesh import MeshInfo, default_mesh, device_of, mesh_info
+from fsdp2.engine.modes import MODES, ReshardToK, mode_for
 from fsdp2.engine.module import (
     FSDPModule,
     GradientReductionHandle,
@@ -57,7 +58,7 @@ IgnoredParams = set[nn.Parameter] | None
 MeshDims = DataParallelMeshDims | None
 # What stays sharded between optimizer steps: see fully_shard and the README's "Memory modes".
 MemoryMode = Literal["zero3", "zero2", "hfsdp"]
-MEMORY_MODES = ("zero3", "zero2", "hfsdp")
+MEMORY_MODES = tuple(MODES)  # ("zero3", "zero2", "hfsdp")
 
 
 @overload
@@ -167,10 +168,7 @@ def fully_shard(
     mesh = mesh if mesh is not None else default_mesh()
     who = type(modules[0]).__name__
     _check_memory_mode(memory_mode, reshard_after_forward, dp_mesh_dims, who)
-    if memory_mode == "hfsdp":
-        info = hfsdp_info(mesh, who)
-    else:
-        info = mesh_info(mesh, dp_mesh_dims, who=who)
+    info = MODES[memory_mode].mesh_info(mesh, dp_mesh_dims, who)
     _apply(
         modules,
         info,
@@ -280,27 +278,20 @@ def _apply(
     for mesh, (params, fulls) in by_mesh.items():
         if params:
             group_info = info if mesh is None else mesh_info(mesh, who=label)
+            mode = mode_for(memory_mode, group_info)
             groups.append(
-                FSDPParamGroup(params, fulls, group_info, device, label, mp_policy, offload)
+                FSDPParamGroup(params, fulls, group_info, device, label, mp_policy, offload, mode)
             )
     by_mesh.clear()
     for each in groups:
         each.meta_on_some_rank = meta_on_some_rank
-        if memory_mode != "zero3":
-            # Neither kept copies nor two-level gathers know extension packing; hfsdp's
-            # flattened layout knows no tensor-parallel placements.
-            refused = [p.fqn for p in each.layout.ext_params]
-            if memory_mode == "hfsdp":
-                refused += [p.fqn for p in each.fsdp_params if p.outer_spec is not None]
-            if refused:
-                raise NotImplementedError(
-                    f"fully_shard({label}): memory_mode={memory_mode!r} with all-gather "
-                    f"extension (torchao float8/NF4) or, for 'hfsdp', tensor-parallel parameters "
-                    f"({', '.join(refused)}) is not supported yet; shard this module with "
-                    "memory_mode='zero3'"
-                )
-        if memory_mode == "zero2":
-            each.keep_gathered()
+        if refused := MODES[memory_mode].refused(each.layout):
+            raise NotImplementedError(
+                f"fully_shard({label}): memory_mode={memory_mode!r} with all-gather "
+                f"extension (torchao float8/NF4) or, for 'hfsdp', tensor-parallel parameters "
+                f"({', '.join(refused)}) is not supported yet; shard this module with "
+                "memory_mode='zero3'"
+            )
     group = groups[0] if groups and groups[0].info is info else None
     params = [p for g in groups for p in g.fsdp_params]
     # Resolved (and validated) before the first change to the modules: a rejected value leaves
@@ -308,8 +299,7 @@ def _apply(
     reshard_after_forward = _resolve_reshard_after_forward(
         reshard_after_forward, info, group, label
     )
-    if memory_mode == "zero2":
-        reshard_after_forward = False  # kept gathered anyway: no reason to re-register
+    reshard_after_forward = MODES[memory_mode].reshard_after_forward(reshard_after_forward)
     for fsdp_param in params:
         fsdp_param.register(fsdp_param.sharded_param)
     group_of = {id(p): g for g in groups for p in g.fsdp_params}
@@ -337,31 +327,14 @@ def _apply(
 def _check_memory_mode(
     mode: object, reshard_after_forward: object, dp_mesh_dims: object, who: str
 ) -> None:
-    if mode not in MEMORY_MODES:
+    if mode not in MODES:
         raise ValueError(
             f"fully_shard({who}): memory_mode={mode!r} must be one of {MEMORY_MODES}: 'zero3' "
             "shards parameters between steps, 'zero2' keeps them gathered (ZeRO-1 is 'zero2' "
             "with set_requires_gradient_sync(False) on all but the last micro-batch), 'hfsdp' "
             "shards everything over both dims of a (replicate, shard) mesh"
         )
-    if mode == "hfsdp" and dp_mesh_dims is not None:
-        raise NotImplementedError(
-            f"fully_shard({who}): memory_mode='hfsdp' with dp_mesh_dims is not supported yet; "
-            "pass the (replicate, shard) mesh itself"
-        )
-    if mode == "hfsdp" and not (
-        reshard_after_forward is None or isinstance(reshard_after_forward, bool)
-    ):
-        raise NotImplementedError(
-            f"fully_shard({who}): memory_mode='hfsdp' takes reshard_after_forward True, False "
-            f"or None, got {reshard_after_forward!r}"
-        )
-    if mode == "zero2" and reshard_after_forward not in (None, False):
-        raise ValueError(
-            f"fully_shard({who}): memory_mode='zero2' keeps the parameters gathered between "
-            f"steps, which reshard_after_forward={reshard_after_forward!r} contradicts; leave "
-            "reshard_after_forward unset (or False)"
-        )
+    MODES[mode].check_args(reshard_after_forward, dp_mesh_dims, who)
 
 
 def _take_ties(
@@ -435,14 +408,15 @@ def _resolve_reshard_after_forward(
         )
     # Every rank creates every group, in the same order: all shard rows of the mesh, cut in k.
     rows = mesh.mesh.movedim(info.shard_axis, -1).reshape(-1, world).tolist()
+    mine = None
     for row in rows:
         for start in range(0, world, value):
             pg = dist.new_group(row[start : start + value])
-            if dist.get_rank() in row[start : start + value] and group is not None:
-                group.settings.k_group = pg
-    if group is not None:
+            if dist.get_rank() in row[start : start + value]:
+                mine = pg
+    if group is not None and mine is not None:
         block = info.shard_rank % value
-        group.settings.k_rows = (block * world // value, (block + 1) * world // value)
+        group.set_mode(ReshardToK(mine, (block * world // value, (block + 1) * world // value)))
     return True
 
 

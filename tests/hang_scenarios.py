@@ -28,6 +28,7 @@ if __package__ in (None, ""):  # run as a script by torchrun: make `tests` impor
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fsdp2 import FSDPModule
+from fsdp2.engine.modes import Zero2
 from tests.errors import Tripwire
 
 DIM, OUT, WINDOW = 8, 4, 4
@@ -216,7 +217,7 @@ def _zero2_step_on_rank0(model: Stack) -> str:
         if isinstance(module, FSDPModule):
             module.set_reshard_after_forward(False)
             for group in module._groups(recurse=False):
-                group.keep_gathered()  # what memory_mode="zero2" sets up
+                group.set_mode(Zero2())  # what memory_mode="zero2" sets up
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     _step(model, 0)
     if dist.get_rank() == 0:

@@ -138,8 +138,7 @@ def ag_joinable(group: FSDPParamGroup) -> bool:
         and not layout.ext_params
         and layout.offload is None
         and group.settings.custom_all_gather is None
-        and group.settings.k_group is None
-        and group.info.levels is None  # two levels, each its own collective
+        and group.mode.coalesces  # not reshard-to-k's block, nor hfsdp's two levels
     )
 
 

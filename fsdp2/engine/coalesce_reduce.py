@@ -101,7 +101,7 @@ def rs_joinable(reducer: GradientReducer) -> bool:
     return (
         reducer.shard_size > 1
         and reducer.info.replicate_group is None
-        and reducer.info.levels is None  # hfsdp: two levels, each its own collective
+        and reducer.levels is None  # hfsdp: two levels, each its own collective
         and settings.custom_reduce_scatter is None
         and settings.all_reduce_hook is None
         and settings.requires_gradient_sync

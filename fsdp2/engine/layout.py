@@ -303,9 +303,10 @@ class FlatLayout:
         torch._foreach_copy_(dst, src, non_blocking=True)
         return send
 
-    def copy_out(self, out: torch.Tensor, packed: Packing | None) -> None:
+    def copy_out(self, out: torch.Tensor, packed: Packing | None, replicas: int = 1) -> None:
         """Regrow the unsharded buffer and copy a finished gather's rank-major ``out`` into it
-        (and into the extension parameters, through their post hooks)."""
+        (and into the extension parameters, through their post hooks). ``replicas`` > 1: ``out``
+        comes shard-rank-major over that many replicas ([Note: two-level gathers], modes.py)."""
         flat = self.unsharded_flat
         if flat is None:
             raise AssertionError(
@@ -323,8 +324,7 @@ class FlatLayout:
                 )
                 sizes = [c * flat.element_size() for c in self._chunk_sizes]
                 targets = [view.view(torch.uint8) for view in self.copy_out_views]
-            elif self.info.levels is not None:  # [Note: two-level gathers]
-                replicas = self.info.levels[0].size()
+            elif replicas > 1:  # [Note: two-level gathers]
                 rows = out.view(-1, replicas, self.plain_numel).transpose(0, 1)
                 rows = rows.reshape(self.shard_size, self.plain_numel)
                 sizes, targets = self._chunk_sizes, self.copy_out_views

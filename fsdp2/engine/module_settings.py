@@ -56,7 +56,7 @@ class GroupSettingsMethods:
             state.requested_reshard_after_forward = reshard_after_forward
             state.reshard_after_forward = reshard_after_forward
             for group in state.groups:
-                group.settings.k_group = None  # a bool replaces reshard_after_forward=k
+                group.reshard_fully()  # a bool replaces reshard_after_forward=k
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True

@@ -5,26 +5,8 @@ the flat buffers, [Note: flat layout]), its ``settings`` (settings.py: what the 
 ``reducer`` (reduce.py: the gradient side). Every change of ``state`` goes through ``_enter``,
 which checks the state it leaves.
 
-[Note: parameters kept gathered between steps]
-With ``memory_mode="zero2"`` (``GroupSettings.stay_gathered``) a reshard registers the sharded
-parameters as always, so that between steps the module holds what the optimizer and the state
-dict see, but keeps the gathered copy. The next unshard registers that copy again without an
-all-gather while it is current: while no rank's shard changed since its gather (``KeptCopy``,
-[Note: when a kept copy is current] in kept.py: a key of optimizer steps and version counters
-first, then the shards' bytes, agreed by every rank). A re-pack or a freed buffer means
-gathering anew too. So K micro-batches of accumulation cost one all-gather per step, the first
-forward's after the optimizer step, and no write to the shards is ever trained on stale.
-
-[Note: two-level gathers]
-With ``memory_mode="hfsdp"`` on a (replicate R, shard S) mesh the parameters are sharded over all
-R x S ranks, so the optimizer steps 1/(R S) of each, and the gradients reach their shards by
-two reduce-scatters, over the shard dim, then over the replicate dim, HSDP's sums in HSDP's
-order (``GradientReducer._in_levels``). The gather goes in two levels: over the replicate dim,
-this rank's R peers' shards make its shard rank's 1/S (``_replica``), kept from one step to the
-next like zero2's copy, under the same key; then over the shard dim, at every use, as HSDP
-gathers. DTensor nests ``Shard`` over (R, S) in that order, so rank (r, s) holds chunk
-``r * S + s``: the second gather's output comes shard-rank-major and the copy-out reads it
-transposed (layout.py).
+What it keeps between uses, and over which groups it gathers, its ``mode`` says (modes.py:
+zero3, reshard-to-k, zero2, hfsdp); the group asks it and never branches on which mode it is.
 """
 
 from __future__ import annotations
@@ -38,15 +20,14 @@ from typing import NamedTuple, ParamSpec, TypeVar
 import torch
 
 from fsdp2.engine.collectives import Pending, all_gather
-from fsdp2.engine.kept import KeptCopy
 from fsdp2.engine.layout import FlatLayout
 from fsdp2.engine.mesh import MeshInfo
+from fsdp2.engine.modes import Mode, Zero3
 from fsdp2.engine.packing import Packing
 from fsdp2.engine.param import FSDPParam
 from fsdp2.engine.policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from fsdp2.engine.reduce import GradientReducer
 from fsdp2.engine.settings import GroupSettings
-from fsdp2.engine.steps import optimizer_steps, watch_optimizer_steps
 
 __all__ = ["FSDPParamGroup", "InFlightGather", "ShardedState", "SharedOutput", "outside_transforms"]
 
@@ -167,6 +148,7 @@ class InFlightGather(NamedTuple):
     packing: Packing | None  # the extension parameters' metadata, if any
     owned: bool  # ``out`` is ours to free: not a custom collective's buffer, not the shard itself
     shared: SharedOutput | None = None  # a coalesced gather's output, ``out`` a slice of it
+    replicas: int = 1  # >1: ``out`` comes shard-rank-major over replicas (modes.GatherInput)
 
 
 class FSDPParamGroup:
@@ -185,8 +167,10 @@ class FSDPParamGroup:
         label: str,
         mp_policy: MixedPrecisionPolicy | None = None,
         offload: CPUOffloadPolicy | None = None,
+        mode: Mode | None = None,
     ) -> None:
         self.info = info
+        self.mode: Mode = mode or Zero3()
         self.shard_size = info.shard_size
         self.state = ShardedState.SHARDED
         self.settings = GroupSettings(
@@ -195,7 +179,9 @@ class FSDPParamGroup:
         mp_policy = self.settings.mp_policy
         self.layout = FlatLayout(params, info, device, label, mp_policy, offload)
         self.fsdp_params = self.layout.params  # in layout order
-        self.reducer = GradientReducer(label, info, self.layout, self.settings)
+        self.reducer = GradientReducer(
+            label, info, self.layout, self.settings, self.mode.reduce_levels()
+        )
         self._on_grads_ready: Callable[[], None] = self.reducer.on_grads_ready
         for fsdp_param in self.fsdp_params:  # before the unsharded parameters are made
             fsdp_param.connect(self.reducer.on_grad_ready)
@@ -204,76 +190,40 @@ class FSDPParamGroup:
         # Reshards so far: an UnshardHandle whose group was resharded since its unshard() has
         # nothing left to wait for (module.py).
         self.num_reshards = 0
-        self._k_block: torch.Tensor | None = None  # in K_SHARDED: this rank's k-rank block
         self.seen_in = -1  # the last iteration whose forward ran this group
         self.order_index = 0  # its position in that forward's order
         # Some rank had parameters on meta at fully_shard: lazy init checks (agreement.py).
         self.meta_on_some_rank = False
-        # stay_gathered: the unsharded buffer a finished gather filled, and the shards' key then
-        # ([Note: parameters kept gathered between steps]).
-        self._kept: KeptCopy | None = None
-        # memory_mode="hfsdp": this shard rank's 1/S of the group, gathered over the replicate
-        # dim, and the shards' key then ([Note: two-level gathers]).
-        self._replica: KeptCopy | None = None
-        if info.levels is not None:
-            watch_optimizer_steps()
 
     def on_grads_ready(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` once every gradient of the group is in (the owning state's
         post-backward), also on a reducer a re-pack makes later (``remove``)."""
         self._on_grads_ready = self.reducer.on_grads_ready = callback
 
-    def keep_gathered(self) -> None:
-        """Keep the gathered copy across reshards from now on (``memory_mode="zero2"``)."""
-        self.settings.stay_gathered = True
-        watch_optimizer_steps()
+    def set_mode(self, mode: Mode) -> None:
+        """Run ``mode`` from now on (``reshard_after_forward=k`` at ``fully_shard``, a bool
+        replacing it later): what the old one kept is dropped."""
+        self.mode.forget()
+        self.mode.drop_block()
+        self.mode = mode
 
-    def _shard_key(self) -> tuple[int, int]:
-        """What moves whenever the shards may have been written: the optimizer steps so far, and
-        the sum of every parameter's and local tensor's version counter (each only grows)."""
-        versions = 0
-        for p in self.fsdp_params:
-            versions += p.sharded_param._version + p.local_tensor._version
-        return optimizer_steps(), versions
+    def reshard_fully(self) -> None:
+        """``set_reshard_after_forward(bool)``: no k-rank block after forward from now on."""
+        self.set_mode(self.mode.fully_resharding())
 
     def still_gathered(self) -> bool:
         """Whether the kept gathered copy is current: unsharding needs no collective."""
-        kept = self._kept
-        if kept is None:
-            return False
-        layout = self.layout
-        flat = layout.unsharded_flat
-        if (
-            flat is None
-            or kept.buffer is not flat
-            or flat.untyped_storage().nbytes() == 0
-            or not kept.current(
-                layout.sharded_flat,
-                self._shard_key(),
-                self.info.shard_group,
-                layout.label,
-                self.num_reshards,
-            )
-        ):
-            self._kept = None
-            return False
-        return True
+        return self.mode.reuses_gathered(self.layout, self.info, self.num_reshards)
 
     def kept_nbytes(self) -> int:
         """Bytes the memory modes keep between steps: zero2's unsharded copy, hfsdp's copy of
         the first level (0 for zero3), and the shard snapshot each is checked against."""
-        if self._replica is not None:
-            return self._replica.buffer.untyped_storage().nbytes() + self._replica.snapshot_nbytes()
-        if not self.settings.stay_gathered:
-            return 0
-        snapshot = self._kept.snapshot_nbytes() if self._kept is not None else 0
-        return self.layout.unsharded_nbytes() + snapshot
+        return self.mode.kept_nbytes(self.layout)
 
     def forget_gathered(self, free: bool) -> None:
         """Stop trusting the kept copies: the next unshard gathers. ``free``: give their memory
         back too (``FSDPModule.reshard()``, the user's explicit request for it)."""
-        self._kept = None
-        self._replica = None
+        self.mode.forget()
         if free and self.state is not ShardedState.UNSHARDED:
             if not self.settings.keep_unsharded_storage:
                 self.layout.free_unsharded()
@@ -307,7 +257,7 @@ class FSDPParamGroup:
         if not self.layout.needs_repack(force):
             return
         self.reshard()
-        self._kept = self._replica = None  # the buffers they hold are replaced
+        self.mode.forget()  # the buffers it holds are replaced
         self.layout.repack()
 
     def remove(self, fsdp_param: FSDPParam) -> torch.Tensor:
@@ -336,7 +286,9 @@ class FSDPParamGroup:
         )
         self.layout = layout
         self.fsdp_params = layout.params
-        self.reducer = GradientReducer(self.label, self.info, layout, self.settings)
+        self.reducer = GradientReducer(
+            self.label, self.info, layout, self.settings, self.mode.reduce_levels()
+        )
         self.reducer.on_grads_ready = self._on_grads_ready  # still the state's post-backward
         for other in self.fsdp_params:
             other.connect(self.reducer.on_grad_ready)
@@ -344,7 +296,7 @@ class FSDPParamGroup:
             layout.repack()  # the others' current shards, in buffers of their own
         else:
             layout.shard([])  # empty buffers: the group is dropped from its state (api.py)
-        self._kept = self._replica = None
+        self.mode.forget()
         return full
 
     def _repack_stale(self) -> None:
@@ -374,16 +326,11 @@ class FSDPParamGroup:
             raise AssertionError(
                 f"unshard '{self.label}': expected the unsharded buffer to be allocated, found None"
             )
-        packing = None
-        if self._k_block is not None:
-            source, group = self._k_block, self.settings.k_group
-        elif self.info.levels is not None:
-            source, group = self._replica_gathered(), self.info.levels[1]
-        else:
-            source, packing = layout.gather_source()
-            group = self.info.shard_group
+        source, packing, group, replicas = self.mode.gather_input(
+            layout, self.info, self.num_reshards, self.all_gather
+        )
         if self.shard_size == 1:  # nothing to gather, only the cast, copy or packing above
-            self._gather = InFlightGather(Pending(None), source, packing, False)
+            self._gather = InFlightGather(Pending(None), source, packing, False, replicas=replicas)
             return
         if group is None:
             raise AssertionError(
@@ -401,29 +348,7 @@ class FSDPParamGroup:
             # which would trip autograd's check on the very tensors it saved in forward.
             out = source.new_empty(out_numel)
         pending = self.all_gather(out, source, group, layout.label, comm)
-        self._gather = InFlightGather(pending, out, packing, comm is None)
-
-    def _replica_gathered(self) -> torch.Tensor:
-        """hfsdp: the first level of the gather ([Note: two-level gathers])."""
-        key = self._shard_key()
-        levels = self.info.levels
-        if levels is None:
-            raise AssertionError(f"group {self.label!r}: a two-level gather without levels")
-        layout = self.layout
-        replica = self._replica
-        if replica is not None and replica.current(
-            layout.sharded_flat, key, levels[0], layout.label, self.num_reshards
-        ):
-            return replica.buffer
-        self._replica = None  # a stale copy is not kept beside the new one
-        source, _ = layout.gather_source()
-        out = source.new_empty(levels[0].size() * source.numel())
-        if levels[0].size() == 1:
-            out.copy_(source)
-        else:
-            self.all_gather(out, source, levels[0], self.layout.label, None).wait()
-        self._replica = KeptCopy(out, layout.sharded_flat, key)
-        return out
+        self._gather = InFlightGather(pending, out, packing, comm is None, replicas=replicas)
 
     def start_shared_gather(self, gather: InFlightGather) -> None:
         """Take this group's part of a coalesced gather (coalesce.py) as its gather under way."""
@@ -441,15 +366,15 @@ class FSDPParamGroup:
             return
         self.unshard()
         if self._gather is not None:
-            pending, out, packing, owned, shared = self._gather
+            pending, out, packing, owned, shared, replicas = self._gather
             self._gather = None
-            self._k_block = None
+            self.mode.drop_block()
             pending.wait()
             if shared is not None:
                 shared.check()
             # The unsharded storage is regrown only now, not when the gather was issued: a
             # prefetch holds just the gather's output until the group is needed.
-            self.layout.copy_out(out, packing)
+            self.layout.copy_out(out, packing, replicas)
             if owned:
                 # Free it now: the finished collective may keep a reference to it for a while
                 # (gloo drops its own on a worker thread), and a block-sized buffer must not
@@ -457,9 +382,7 @@ class FSDPParamGroup:
                 out.untyped_storage().resize_(0)
             if shared is not None:
                 shared.release()
-            flat = self.layout.unsharded_flat
-            if self.settings.stay_gathered and flat is not None:
-                self._kept = KeptCopy(flat, self.layout.sharded_flat, self._shard_key())
+            self.mode.gathered(self.layout)
         for fsdp_param in self.fsdp_params:
             fsdp_param.register(fsdp_param.unsharded_param, replacing=fsdp_param.sharded_param)
         self._enter(ShardedState.UNSHARDED)
@@ -468,24 +391,18 @@ class FSDPParamGroup:
     def reshard(self) -> None:
         """Register the sharded parameters again and free the unsharded storage."""
         self._release(ShardedState.SHARDED)
-        self._k_block = None
+        self.mode.drop_block()
 
     @_outside_transforms_method
     def reshard_to_k(self) -> None:
         """Reshard, but keep this rank's block of W/k ranks' chunks so that backward gathers
         within a k-rank group (``reshard_after_forward=k``)."""
-        if (
-            self.state is not ShardedState.UNSHARDED
-            or self.settings.k_group is None
-            or self.layout.ext_params
-        ):
+        if self.state is not ShardedState.UNSHARDED or not self.mode.cut_block(self.layout):
             # reshard(), without its wrapper again: a call per group and forward
             self._release(ShardedState.SHARDED)
-            self._k_block = None
+            self.mode.drop_block()
             return
-        block = self.layout.k_block(*self.settings.k_rows)
         self._release(ShardedState.K_SHARDED)
-        self._k_block = block
 
     def _release(self, state: ShardedState) -> None:
         """Register the sharded parameters, enter ``state`` and free the unsharded storage."""
@@ -499,7 +416,7 @@ class FSDPParamGroup:
                 fsdp_param.register(fsdp_param.sharded_param, replacing=fsdp_param.unsharded_param)
         self._enter(state)
         self.num_reshards += 1
-        if self._kept is None and not self.settings.keep_unsharded_storage:
+        if not self.mode.holds_unsharded() and not self.settings.keep_unsharded_storage:
             self.layout.free_unsharded()
 
     def guesses_prefetch(self) -> bool:

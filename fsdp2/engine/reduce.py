@@ -143,10 +143,18 @@ class GradientReducer:
     reduce_scatter = staticmethod(reduce_scatter)
 
     def __init__(
-        self, label: str, info: MeshInfo, layout: FlatLayout, settings: GroupSettings
+        self,
+        label: str,
+        info: MeshInfo,
+        layout: FlatLayout,
+        settings: GroupSettings,
+        levels: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None,
     ) -> None:
         self.label = label
         self.info = info
+        # hfsdp: the (replicate, shard) groups it reduce-scatters over in two levels (its
+        # mode's, modes.py); None: one level.
+        self.levels = levels
         self.shard_size = info.shard_size
         self.layout = layout
         self.settings = settings
@@ -337,7 +345,7 @@ class GradientReducer:
         else:
             out = inp.new_empty(inp.shape[1])
         group, op = self.reduce_group(), reduce_op(use_sum)
-        levels = self.info.levels
+        levels = self.levels
         two = levels is not None and min(levels[0].size(), levels[1].size()) > 1
         if two and comm is None and self.settings.reduce_scatter_group is None:
             inp, pending = self._in_levels(out, inp, op)
@@ -359,7 +367,7 @@ class GradientReducer:
         level's input as it stands. The first level is waited on before the second is issued
         (its output is the second's input, on another process group). Returns the second
         level's input (to keep alive until it finishes) and its pending collective."""
-        levels = self.info.levels
+        levels = self.levels
         if levels is None:
             raise AssertionError(f"reduce_grads '{self.label}': two levels without levels")
         replicate, shard = levels

@@ -23,17 +23,10 @@ class GroupSettings:
     # -- fully_shard's arguments
     mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
     offload: CPUOffloadPolicy | None = None  # shards (and reduced gradients) live on the CPU
-    # reshard_after_forward=k (api.py): the k-rank group that gathers in backward, and which of
-    # the shard ranks' chunks (rows lo:hi of the gathered buffer) this rank keeps for it.
-    k_group: dist.ProcessGroup | None = None  # None: reshard fully (or not at all)
-    k_rows: tuple[int, int] = (0, 0)
     # -- when to gather and free
     reshard_after_backward: bool = True
     unshard_in_backward: bool = True
     keep_unsharded_storage: bool = False  # reshard keeps the storage (same data pointers)
-    # memory_mode="zero2": the gathered copy outlives each reshard and is gathered again only
-    # once the shards changed ([Note: parameters kept gathered between steps], param_group.py).
-    stay_gathered: bool = False
     # Gather the next group ahead of need: None decides by device ([Note: prefetch order]).
     guess_prefetch: bool | None = None
     # -- gradient reduction

@@ -281,13 +281,9 @@ def _unsupported(state: FSDPState) -> list[str]:
         found.append("all-gather extensions (fsdp_pre_all_gather)")
     if group.settings.offload is not None:
         found.append("CPU offload")
-    if group.settings.k_group is not None:
-        found.append("reshard_after_forward=<int>")
     # A graph gathers at every forward: it can keep no copy between steps, nor gather in levels.
-    if group.settings.stay_gathered:
-        found.append("memory_mode='zero2'")
-    if info.levels is not None:
-        found.append("memory_mode='hfsdp'")
+    if group.mode.traced_refusal is not None:
+        found.append(group.mode.traced_refusal)
     if (
         group.settings.custom_all_gather is not None
         or group.settings.custom_reduce_scatter is not None

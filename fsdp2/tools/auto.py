@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from fsdp2.api import fully_shard as fsdp2_fully_shard
+from fsdp2.engine.modes import MODES
 from fsdp2.engine.state import state_of
 from fsdp2.tools.blocks import (
     blocks_of_types,
@@ -196,8 +197,9 @@ def plan_auto_shard(
     dtype = gather_dtype_of(common)
     targets = [*grouped(model, blocks, min_group_bytes or 0, dtype), ("",)]
     calls_kwargs = [dict(common) for _ in targets]
-    # zero2 keeps every group gathered: no reshard_after_forward to choose.
-    keeps = common.get("memory_mode") == "zero2"
+    # A mode that keeps every group gathered (zero2): no reshard_after_forward to choose.
+    mode = MODES.get(common.get("memory_mode", "zero3"))
+    keeps = mode is not None and mode.keeps_gathered
     if "reshard_after_forward" not in common and len(targets) > 1 and not keeps:
         for kwargs in calls_kwargs[:-1]:
             kwargs["reshard_after_forward"] = True

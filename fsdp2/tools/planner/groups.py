@@ -115,29 +115,8 @@ def _coalescing(group: FSDPParamGroup, keys: dict[int, int]) -> dict[str, Any]:
         "reduce_key": keys.setdefault(id(reduce_group), len(keys)),
         "reduce_op": "sum" if group.reducer.sums() else "avg",
         "unshard_in_backward": settings.unshard_in_backward,
-        "stay_gathered": settings.stay_gathered,
-        **_kept(group),
-    }
-
-
-def _kept(group: FSDPParamGroup) -> dict[str, int]:
-    """What the memory modes keep gathered between steps ([Note: parameters kept gathered
-    between steps], [Note: two-level gathers]), and hfsdp's copy-out buffer."""
-    layout = group.layout
-    gather_unit = 1 if layout.mixed else layout.param_dtype.itemsize
-    # Beside a kept copy: the snapshot of this rank's shard it is checked against (kept.py).
-    snapshot = layout.sharded_flat.numel() * layout.sharded_flat.element_size()
-    if group.settings.stay_gathered and not layout.alias:
-        return {"kept_bytes": group.shard_size * layout.plain_numel * gather_unit + snapshot}
-    levels = group.info.levels
-    if levels is None or group.shard_size == 1:
-        return {}
-    replicas = levels[0].size()
-    send = layout.plain_numel * gather_unit
-    return {
-        "replica_world": replicas,
-        "kept_bytes": replicas * send + snapshot,
-        "copy_extra_bytes": group.shard_size * send,
+        "stay_gathered": group.mode.keeps_gathered,
+        **group.mode.plan(group.layout, group.shard_size)._asdict(),
     }
 
 
@@ -179,7 +158,6 @@ def _facts(group: FSDPParamGroup, label: str, is_root: bool, reshard: bool) -> G
         # copy to the shards' device leaves them behind: held, but no gradient's.
         kept = group.layout.reduce_dtype == group.layout.dtype and group.settings.offload is None
         flag_bytes = flags * group.layout.dtype.itemsize if kept else 0
-    partial = group.settings.k_group
     return GroupFacts(
         label=label,
         modules=tuple(label.split(",")),
@@ -191,7 +169,7 @@ def _facts(group: FSDPParamGroup, label: str, is_root: bool, reshard: bool) -> G
         param_dtype=str(group.layout.param_dtype).removeprefix("torch."),
         reduce_dtype=str(group.layout.reduce_dtype).removeprefix("torch."),
         reshard_after_forward=reshard,
-        partial_k=partial.size() if partial is not None else 0,
+        partial_k=group.mode.k,
         sharded_bytes=group.layout.shard_numel * unit,
         param_bytes=sum(p.chunk.local_numel * p.dtype.itemsize for p in group.fsdp_params),
         param_last_bytes=sum(_last_rank_bytes(p, world, p.dtype) for p in group.fsdp_params),
