@@ -126,6 +126,11 @@ class Schedule:
         groups = self.groups
         gathered = gathered_in_backward(groups, self.prefetch)
         last = len(groups) - 1
+        # The root's pre-backward runs first (its outputs' gradients arrive before any block's):
+        # a root that resharded after forward is gathered then, and alone, as the engine's
+        # bucket walks back from it in forward order and nothing precedes the root.
+        if groups and groups[0].is_root and gathered[0] and self._regathers(0):
+            self._gather(0, backward=True)
         if self.prefetch and last > 0 and self._regathers(last) and not groups[last].is_root:
             self._gather(last, backward=True)  # the root's pre-backward prefetch
         for i in reversed(range(len(groups))):

@@ -40,9 +40,12 @@ Record = tuple[str, str, int, int, int]
 
 def _build(model_name: str) -> nn.Module:
     """``stack``: every block trainable; ``frozen``: block 0 frozen (backward never reaches it,
-    but block 1's backward bucket takes it along) and block 5 (reached, never reduced)."""
+    but block 1's backward bucket takes it along) and block 5 (reached, never reduced);
+    ``stack-k2``: the blocks sharded with ``reshard_after_forward=2`` (an int: at 2 ranks,
+    the same as True)."""
     torch.manual_seed(MODEL_SEED)
     model = MLPStack(NUM_BLOCKS)
+    model.reshard_blocks = 2 if model_name == "stack-k2" else None  # type: ignore[assignment]
     if model_name == "frozen":
         model.blocks[0].requires_grad_(False)
         model.blocks[5].requires_grad_(False)
@@ -50,9 +53,10 @@ def _build(model_name: str) -> nn.Module:
 
 
 def _shard(model: nn.Module) -> None:
+    reshard = getattr(model, "reshard_blocks", None)
     for block in model.blocks:  # type: ignore[union-attr]
-        fsdp2.fully_shard(block)
-    fsdp2.fully_shard(model)
+        fsdp2.fully_shard(block, reshard_after_forward=reshard)
+    fsdp2.fully_shard(model, reshard_after_forward=reshard)
 
 
 def _two_steps(model_name: str, budget: int, prefetch: bool) -> list[list[Record]]:
@@ -119,6 +123,9 @@ CASES = [
     ("frozen", ALL, False),
     ("stack", SEVERAL, True),
     ("frozen", SEVERAL, True),
+    ("stack-k2", SEVERAL, False),
+    ("stack-k2", ALL, False),
+    ("stack-k2", SEVERAL, True),
 ]
 IDS = [f"{m}-{b}-{'prefetch' if p else 'cpu'}" for m, b, p in CASES]
 
