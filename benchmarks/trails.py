@@ -34,8 +34,11 @@ fsdp2 hands every gradient over at the end of backward, torch right after each r
 from the *first* reduce-scatter (the last block's) to its ``.grad``, fsdp2's trail would also
 hold the other blocks' backward (with coalescing off, 16 files instead of 13 on 2026-11-29).
 
-The counts are deterministic (the same code path every run, whatever the load); a run takes
-8-25 s on 2 cores, depending on their load, nearly all of it two ranks starting.
+The files have been the same in every run. The moves need not be: in backward fsdp2 finishes
+the reduce-scatters that have already completed (``Reductions.reap``), so when an earlier one
+completes moves the same steps along the walk (seen: 73 or 93 moves for issue → .grad on one
+commit, the same 14 files). A run takes 8-25 s on 2 cores, depending on their load, nearly all
+of it two ranks starting.
 ``tests/test_trails.py`` pins fsdp2's counts; issue 41 aims at ≤ 6 files for backward → issue,
 ≤ 4 for issue → .grad and ≤ 6 for forward → gather (``TARGETS``).
 """
