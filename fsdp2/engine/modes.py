@@ -102,7 +102,11 @@ class Mode:
     # Its gathers may join a coalesced collective (coalesce.py): one collective over the shard
     # group, from the flat shard.
     coalesces: ClassVar[bool] = True
-    keeps_gathered: ClassVar[bool] = False  # the planner: an unsharded buffer held between steps
+    # Capabilities the group tests before calling (a flag is a class attribute read, not a call
+    # per group and step): keeps the unsharded buffer between steps (``reuses_gathered``,
+    # ``gathered``, ``holds_unsharded``); cuts a block after forward (``cut_block``, ``drop_block``).
+    keeps_gathered: ClassVar[bool] = False
+    cuts_blocks: ClassVar[bool] = False
     # What traced mode cannot do with this mode (it gathers inside the graph at every forward).
     traced_refusal: ClassVar[str | None] = None
 
@@ -193,6 +197,7 @@ class ReshardToK(Mode):
     k ranks that together hold every chunk."""
 
     coalesces = False  # over a k-rank group, from the block: its own collective
+    cuts_blocks = True
     traced_refusal = "reshard_after_forward=<int>"
 
     def __init__(self, group: dist.ProcessGroup, rows: tuple[int, int]) -> None:

@@ -213,7 +213,10 @@ class FSDPParamGroup:
 
     def still_gathered(self) -> bool:
         """Whether the kept gathered copy is current: unsharding needs no collective."""
-        return self.mode.reuses_gathered(self.layout, self.info, self.num_reshards)
+        mode = self.mode
+        return mode.keeps_gathered and mode.reuses_gathered(
+            self.layout, self.info, self.num_reshards
+        )
 
     def kept_nbytes(self) -> int:
         """Bytes the memory modes keep between steps: zero2's unsharded copy, hfsdp's copy of
@@ -368,7 +371,8 @@ class FSDPParamGroup:
         if self._gather is not None:
             pending, out, packing, owned, shared, replicas = self._gather
             self._gather = None
-            self.mode.drop_block()
+            if self.mode.cuts_blocks:
+                self.mode.drop_block()
             pending.wait()
             if shared is not None:
                 shared.check()
@@ -382,7 +386,8 @@ class FSDPParamGroup:
                 out.untyped_storage().resize_(0)
             if shared is not None:
                 shared.release()
-            self.mode.gathered(self.layout)
+            if self.mode.keeps_gathered:
+                self.mode.gathered(self.layout)
         for fsdp_param in self.fsdp_params:
             fsdp_param.register(fsdp_param.unsharded_param, replacing=fsdp_param.sharded_param)
         self._enter(ShardedState.UNSHARDED)
@@ -391,16 +396,23 @@ class FSDPParamGroup:
     def reshard(self) -> None:
         """Register the sharded parameters again and free the unsharded storage."""
         self._release(ShardedState.SHARDED)
-        self.mode.drop_block()
+        if self.mode.cuts_blocks:
+            self.mode.drop_block()
 
     @_outside_transforms_method
     def reshard_to_k(self) -> None:
         """Reshard, but keep this rank's block of W/k ranks' chunks so that backward gathers
         within a k-rank group (``reshard_after_forward=k``)."""
-        if self.state is not ShardedState.UNSHARDED or not self.mode.cut_block(self.layout):
+        mode = self.mode
+        if (
+            self.state is not ShardedState.UNSHARDED
+            or not mode.cuts_blocks
+            or not mode.cut_block(self.layout)
+        ):
             # reshard(), without its wrapper again: a call per group and forward
             self._release(ShardedState.SHARDED)
-            self.mode.drop_block()
+            if mode.cuts_blocks:
+                mode.drop_block()
             return
         self._release(ShardedState.K_SHARDED)
 
@@ -416,7 +428,11 @@ class FSDPParamGroup:
                 fsdp_param.register(fsdp_param.sharded_param, replacing=fsdp_param.unsharded_param)
         self._enter(state)
         self.num_reshards += 1
-        if not self.mode.holds_unsharded() and not self.settings.keep_unsharded_storage:
+        mode = self.mode
+        if (
+            not (mode.keeps_gathered and mode.holds_unsharded())
+            and not self.settings.keep_unsharded_storage
+        ):
             self.layout.free_unsharded()
 
     def guesses_prefetch(self) -> bool:
