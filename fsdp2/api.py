@@ -280,11 +280,20 @@ def _apply(
             group_info = info if mesh is None else mesh_info(mesh, who=label)
             mode = mode_for(memory_mode, group_info)
             groups.append(
-                FSDPParamGroup(params, fulls, group_info, device, label, mp_policy, offload, mode)
+                FSDPParamGroup(
+                    params,
+                    fulls,
+                    group_info,
+                    device,
+                    label,
+                    mp_policy,
+                    offload,
+                    mode,
+                    meta_on_some_rank,
+                )
             )
     by_mesh.clear()
     for each in groups:
-        each.meta_on_some_rank = meta_on_some_rank
         if refused := MODES[memory_mode].refused(each.layout):
             raise NotImplementedError(
                 f"fully_shard({label}): memory_mode={memory_mode!r} with all-gather "

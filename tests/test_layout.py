@@ -272,6 +272,8 @@ NAMES_IN_FILE: dict[str, dict[str, tuple[str, ...]]] = {
 # A record one owner fills is written by that owner alone, not by the file that declares it
 # (CONTRIBUTING.md: "param.BufferPlace: the layout's; extension.ExtensionState: packing's").
 RECORD_WRITERS = {
+    # What a user chose for a group: filled by FSDPModule's set_* methods (module_settings.py).
+    "GroupSettings": "engine/module_settings.py",
     "BufferPlace": "engine/layout.py",
     "ExtensionState": "engine/packing.py",
 }
@@ -554,49 +556,8 @@ UNRELATED_WRITES = {
 # test_known_foreign_writes_still_occur on a line here that no longer matches the code, so the
 # list only shrinks and stays true. FSDPParam has no line here, ever.
 KNOWN_FOREIGN_WRITES: dict[tuple[str, str, str], int] = {
-    # FSDPParamGroup: marked by fully_shard and the first forward's agreement; its place in the
-    # forward order set by the iteration; its label (a property whose setter relabels the layout
-    # and reducer) set at lazy init and when tracing.
-    ("FSDPParamGroup", "meta_on_some_rank", "api.py"): 1,
-    ("FSDPParamGroup", "meta_on_some_rank", "engine/agreement.py"): 1,
-    ("FSDPParamGroup", "order_index", "engine/iteration.py"): 1,
-    ("FSDPParamGroup", "seen_in", "engine/iteration.py"): 1,
-    ("FSDPParamGroup", "label", "engine/state.py"): 1,
-    ("FSDPParamGroup", "label", "engine/traced.py"): 1,
-    # FSDPState: the FSDPModule setters (module.py, module_settings.py), tracing, full_params.
-    ("FSDPState", "backward_prefetch", "engine/module.py"): 1,
-    ("FSDPState", "forward_prefetch", "engine/module.py"): 1,
-    ("FSDPState", "manual_finalization", "engine/module.py"): 1,
-    ("FSDPState", "requested_reshard_after_forward", "engine/module_settings.py"): 1,
-    ("FSDPState", "reshard_after_forward", "engine/module_settings.py"): 1,
-    ("FSDPState", "reshard_after_forward", "engine/traced.py"): 1,
-    ("FSDPState", "traced", "engine/traced.py"): 1,
-    ("FSDPState", "traced", "tools/full_params.py"): 2,
-    # FlatLayout, GradientReducer: the group's label setter and on_grads_ready, and a re-pack's
-    # new reducer, write them (param_group.py).
-    ("FlatLayout", "label", "engine/param_group.py"): 1,
-    ("GradientReducer", "label", "engine/param_group.py"): 1,
-    ("GradientReducer", "on_grads_ready", "engine/param_group.py"): 2,
-    # GroupSettings: a plain record today, written by every setter that changes a group.
-    ("GroupSettings", "keep_unsharded_storage", "engine/module.py"): 1,
-    ("GroupSettings", "unshard_in_backward", "engine/module.py"): 1,
-    ("GroupSettings", "all_reduce_hook", "engine/module_settings.py"): 1,
-    ("GroupSettings", "custom_all_gather", "engine/module_settings.py"): 3,
-    ("GroupSettings", "custom_reduce_scatter", "engine/module_settings.py"): 4,
-    ("GroupSettings", "divide_factor", "engine/module_settings.py"): 1,
-    ("GroupSettings", "force_sum_reduction", "engine/module_settings.py"): 1,
-    ("GroupSettings", "max_in_flight", "engine/module_settings.py"): 1,
-    ("GroupSettings", "reduce_scatter_group", "engine/module_settings.py"): 2,
-    ("GroupSettings", "reduce_scatter_unused", "engine/module_settings.py"): 1,
-    ("GroupSettings", "requires_all_reduce", "engine/module_settings.py"): 1,
-    ("GroupSettings", "requires_gradient_sync", "engine/module_settings.py"): 1,
-    ("GroupSettings", "reshard_after_backward", "engine/module_settings.py"): 1,
-    # IterContext: finalize_backward's pending reduction, two FSDPModule setters, and the
-    # state's forward counting.
-    ("IterContext", "pending_reduction", "engine/module.py"): 1,
-    ("IterContext", "is_last_backward", "engine/module_settings.py"): 1,
-    ("IterContext", "post_optim_event", "engine/module_settings.py"): 1,
-    ("IterContext", "num_forwards", "engine/state.py"): 1,
+    # Empty since issue 41's one-writer step: every engine class's fields are written by its
+    # own file (or, for a record, by its one filler: RECORD_WRITERS). Keep it so.
 }
 
 

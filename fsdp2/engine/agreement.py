@@ -276,7 +276,7 @@ def check_materialized(groups: list[FSDPParamGroup]) -> None:
                 f"{outcome.bad_rank}'s error says what differs"
             )
         for group in members:
-            group.meta_on_some_rank = False
+            group.materialized_everywhere()
 
 
 _META = "on meta: "  # the facts' key prefix for a group still on meta

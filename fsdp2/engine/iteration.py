@@ -99,8 +99,7 @@ class IterContext:
     def record(self, group: FSDPParamGroup) -> None:
         """Note that ``group`` runs now (its first call this iteration fixes its position)."""
         if group.seen_in != self.iteration:
-            group.seen_in = self.iteration
-            group.order_index = len(self.recording)
+            group.ran_in(self.iteration, len(self.recording))
             self.recording.append(group)
 
     def may_coalesce(self) -> bool:
@@ -251,6 +250,25 @@ class IterContext:
         handed to the parameters by the caller (``Reductions.hand_over``)."""
         self.reductions.wait_all()
         self.manual_active = None
+
+    def count_forward(self) -> int:
+        """One more sharded forward call began; returns how many so far."""
+        self.num_forwards += 1
+        return self.num_forwards
+
+    def set_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward is the step's last (``set_is_last_backward``)."""
+        self.is_last_backward = is_last_backward
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """The next gathers wait for ``event`` (``set_post_optim_event``)."""
+        self.post_optim_event = event
+
+    def await_reduction(self) -> object:
+        """``finalize_backward(async_op=True)``: a reduction is pending until its handle's
+        ``wait()``; returns the token that handle holds."""
+        token = self.pending_reduction = object()
+        return token
 
     def end_finalization(self) -> None:
         """The second half of ``finalize_backward`` (or its handle's ``wait()``): wait for the

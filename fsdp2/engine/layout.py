@@ -74,6 +74,9 @@ class FlatLayout:
         self._check_even_extensions()
         self.stale = False  # some parameters replaced, not yet re-packed (see repack)
 
+    def rename(self, label: str) -> None:
+        self.label = label
+
     def _check_even_extensions(self) -> None:
         # Decided from shapes, not this rank's shard, so that every rank raises alike.
         # Uneven dim 0 is padded (packing.pack); other dims and tensor-parallel pieces are not.

@@ -128,18 +128,6 @@ class FSDPModule(GroupSettingsMethods):
             group.reshard()
             group.forget_gathered(free=True)
 
-    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
-        """Whether resharding keeps the unsharded parameters' storage (their data pointers
-        stay the same across reshard and unshard, as CUDA graph capture needs) instead of
-        freeing it; keeping costs the unsharded bytes between uses.
-
-        Args:
-            keep: ``True`` keeps the storage; ``False`` (default) frees it at every reshard.
-            recurse: every fsdp2 module under this one (default), or this one only.
-        """
-        for group in self._groups(recurse):
-            group.settings.keep_unsharded_storage = keep
-
     def set_manual_backward_finalization(self, enabled: bool) -> None:
         """Whether the caller ends each backward iteration with :meth:`finalize_backward`
         instead of the end of backward doing it (pipeline schedules, which reduce gradients
@@ -170,7 +158,7 @@ class FSDPModule(GroupSettingsMethods):
                     "set_manual_backward_finalization cannot change the mode after a backward "
                     "started: call finalize_backward() (or reset_iter_state()) first"
                 )
-        state.manual_finalization = enabled
+        state.set_manual_finalization(enabled)
 
     def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
         """End the backward iteration (with :meth:`set_manual_backward_finalization`): reduce
@@ -212,8 +200,7 @@ class FSDPModule(GroupSettingsMethods):
         if not async_op:
             ctx.end_finalization()
             return None
-        token = ctx.pending_reduction = object()
-        return GradientReductionHandle(ctx, token)
+        return GradientReductionHandle(ctx, ctx.await_reduction())
 
     def reset_iter_state(self) -> None:
         """After forward or backward raised: drop that iteration's collectives, gradients and
@@ -236,7 +223,7 @@ class FSDPModule(GroupSettingsMethods):
         Args:
             modules: ``FSDPModule``s to gather, in this order; ``[]`` prefetches nothing.
         """
-        self._get_fsdp_state().forward_prefetch = _groups_of(modules, "forward")
+        self._get_fsdp_state().set_prefetch(False, _groups_of(modules, "forward"))
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Gather these modules' parameters when this module's backward starts.
@@ -244,17 +231,7 @@ class FSDPModule(GroupSettingsMethods):
         Args:
             modules: ``FSDPModule``s to gather, in this order; ``[]`` prefetches nothing.
         """
-        self._get_fsdp_state().backward_prefetch = _groups_of(modules, "backward")
-
-    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
-        """Whether this module's backward gathers its parameters.
-
-        Args:
-            unshard_in_backward: ``False`` for modules whose backward needs none of their
-                parameters (saves the all-gather); default ``True``.
-        """
-        for group in self._groups(recurse=False):
-            group.settings.unshard_in_backward = unshard_in_backward
+        self._get_fsdp_state().set_prefetch(True, _groups_of(modules, "backward"))
 
 
 def _groups_of(modules: list[FSDPModule], direction: str) -> list[FSDPParamGroup]:

@@ -53,10 +53,31 @@ class GroupSettingsMethods:
                 f"set_reshard_after_forward expects a bool, got {reshard_after_forward!r}"
             )
         for state in self._states(recurse):
-            state.requested_reshard_after_forward = reshard_after_forward
-            state.reshard_after_forward = reshard_after_forward
+            state.set_reshard_after_forward(reshard_after_forward)
             for group in state.groups:
                 group.reshard_fully()  # a bool replaces reshard_after_forward=k
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """Whether resharding keeps the unsharded parameters' storage (their data pointers
+        stay the same across reshard and unshard, as CUDA graph capture needs) instead of
+        freeing it; keeping costs the unsharded bytes between uses.
+
+        Args:
+            keep: ``True`` keeps the storage; ``False`` (default) frees it at every reshard.
+            recurse: every fsdp2 module under this one (default), or this one only.
+        """
+        for group in self._groups(recurse):
+            group.settings.keep_unsharded_storage = keep
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Whether this module's backward gathers its parameters.
+
+        Args:
+            unshard_in_backward: ``False`` for modules whose backward needs none of their
+                parameters (saves the all-gather); default ``True``.
+        """
+        for group in self._groups(recurse=False):
+            group.settings.unshard_in_backward = unshard_in_backward
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
@@ -97,7 +118,7 @@ class GroupSettingsMethods:
         state = self._get_fsdp_state()
         if state.ctx is None:
             state._lazy_init()
-        state.require_ctx().is_last_backward = is_last_backward
+        state.require_ctx().set_last_backward(is_last_backward)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """Whether HSDP all-reduces gradients across replicas after the reduce-scatter.
@@ -204,7 +225,7 @@ class GroupSettingsMethods:
         state = self._get_fsdp_state()
         if state.ctx is None:
             state._lazy_init()
-        state.require_ctx().post_optim_event = event
+        state.require_ctx().set_post_optim_event(event)
 
     def set_custom_all_gather(self, comm: AllGather) -> None:
         """Run this module's all-gather through ``comm``.

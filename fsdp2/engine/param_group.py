@@ -168,6 +168,7 @@ class FSDPParamGroup:
         mp_policy: MixedPrecisionPolicy | None = None,
         offload: CPUOffloadPolicy | None = None,
         mode: Mode | None = None,
+        meta_on_some_rank: bool = False,
     ) -> None:
         self.info = info
         self.mode: Mode = mode or Zero3()
@@ -193,12 +194,13 @@ class FSDPParamGroup:
         self.seen_in = -1  # the last iteration whose forward ran this group
         self.order_index = 0  # its position in that forward's order
         # Some rank had parameters on meta at fully_shard: lazy init checks (agreement.py).
-        self.meta_on_some_rank = False
+        self.meta_on_some_rank = meta_on_some_rank
 
     def on_grads_ready(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` once every gradient of the group is in (the owning state's
         post-backward), also on a reducer a re-pack makes later (``remove``)."""
-        self._on_grads_ready = self.reducer.on_grads_ready = callback
+        self._on_grads_ready = callback
+        self.reducer.call_when_ready(callback)
 
     def set_mode(self, mode: Mode) -> None:
         """Run ``mode`` from now on (``reshard_after_forward=k`` at ``fully_shard``, a bool
@@ -236,9 +238,19 @@ class FSDPParamGroup:
         """The group's modules' FQNs, comma-joined ("" for the root): set at lazy init."""
         return self.layout.label
 
-    @label.setter
-    def label(self, label: str) -> None:
-        self.layout.label = self.reducer.label = label
+    def rename(self, label: str) -> None:
+        """Name the group under the root (lazy init, traced mode)."""
+        self.layout.rename(label)
+        self.reducer.rename(label)
+
+    def ran_in(self, iteration: int, index: int) -> None:
+        """This group's forward ran in ``iteration``, ``index``-th of its root's groups."""
+        self.seen_in = iteration
+        self.order_index = index
+
+    def materialized_everywhere(self) -> None:
+        """Every rank's parameters are off meta now (agreement.py checked them)."""
+        self.meta_on_some_rank = False
 
     def _enter(self, state: ShardedState) -> None:
         """The one place ``state`` changes: raise if ``state`` may not follow the current one."""
@@ -292,7 +304,7 @@ class FSDPParamGroup:
         self.reducer = GradientReducer(
             self.label, self.info, layout, self.settings, self.mode.reduce_levels()
         )
-        self.reducer.on_grads_ready = self._on_grads_ready  # still the state's post-backward
+        self.reducer.call_when_ready(self._on_grads_ready)  # still the state's post-backward
         for other in self.fsdp_params:
             other.connect(self.reducer.on_grad_ready)
         if rest:

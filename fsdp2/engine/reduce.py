@@ -158,7 +158,7 @@ class GradientReducer:
         self.shard_size = info.shard_size
         self.layout = layout
         self.settings = settings
-        self.on_grads_ready: Callable[[], None] = lambda: None  # set by the owning FSDPState
+        self.on_grads_ready: Callable[[], None] = lambda: None  # the owning state's, via its group
         self.grads_ready = False  # every gradient in, not yet reduced (see the note above)
         self.reduced_in_backward = False  # reduce-scattered since the last end of backward
         self._task = -1  # graph task whose gradients are being counted
@@ -171,6 +171,13 @@ class GradientReducer:
         # Without gradient sync: each trainable parameter's running gradient sum, in
         # reduce_dtype, until a backward with sync reduces it (stash_grads).
         self.unreduced: dict[FSDPParam, torch.Tensor] = {}
+
+    def rename(self, label: str) -> None:
+        self.label = label
+
+    def call_when_ready(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once every gradient of the group is in."""
+        self.on_grads_ready = callback
 
     def on_grad_ready(self, param: torch.Tensor) -> None:
         grad = param.grad

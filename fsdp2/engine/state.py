@@ -69,6 +69,13 @@ class TrainingState(Enum):
     __hash__ = object.__hash__
 
 
+def reshard_after_forward_of(requested: bool | None, is_root: bool) -> bool:
+    """The one default reshard-after-forward rule (eager hooks, traced mode and the planner):
+    unset, the root keeps its parameters gathered into backward, whose start needs them first,
+    and every other state reshards."""
+    return (not is_root) if requested is None else bool(requested)
+
+
 class FSDPState:
     """Hooks and per-iteration state for the modules of one ``fully_shard`` call."""
 
@@ -111,6 +118,32 @@ class FSDPState:
         for group in groups:
             group.on_grads_ready(partial(self._post_backward, group))
 
+    def set_reshard_after_forward(self, reshard_after_forward: bool) -> None:
+        """A bool from ``set_reshard_after_forward``: what was asked, and what is done."""
+        self.requested_reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward = reshard_after_forward
+
+    def decide_reshard_after_forward(self, is_root: bool) -> None:
+        """Apply the default rule once the root is known (lazy init, traced mode)."""
+        self.reshard_after_forward = reshard_after_forward_of(
+            self.requested_reshard_after_forward, is_root
+        )
+
+    def set_traced(self, traced: bool) -> None:
+        """Run the forward as one traced graph (traced.py) or through the eager hooks."""
+        self.traced = traced
+
+    def set_manual_finalization(self, enabled: bool) -> None:
+        """``set_manual_backward_finalization``: read from the root at its next backward."""
+        self.manual_finalization = enabled
+
+    def set_prefetch(self, backward: bool, groups: list[FSDPParamGroup]) -> None:
+        """Explicit prefetch targets for this state's forward (or backward)."""
+        if backward:
+            self.backward_prefetch = groups
+        else:
+            self.forward_prefetch = groups
+
     @property
     def group(self) -> FSDPParamGroup | None:
         """The group on the call's own mesh (the only one, unless parameters chose others)."""
@@ -142,7 +175,7 @@ class FSDPState:
         for state in states:
             state.label = module_label([names.get(id(m), "") for m in state.modules])
             for group in state.groups:
-                group.label = state.label
+                group.rename(state.label)
                 for fsdp_param in group.fsdp_params:
                     # Named under the root from now on: at fully_shard, names were relative to
                     # the block ("fc.weight" of which of 96?), and errors from here on quote them.
@@ -152,8 +185,7 @@ class FSDPState:
             state.ctx = ctx
             state.is_root = state is self
             state.root = self
-            requested = state.requested_reshard_after_forward
-            state.reshard_after_forward = (not state.is_root) if requested is None else requested
+            state.decide_reshard_after_forward(state.is_root)
         trace("lazy_init", self.label)
         try:
             check_materialized(ctx.groups)  # once, only for groups that were on meta somewhere
@@ -214,8 +246,7 @@ class FSDPState:
         for group in self.groups:
             group.wait_for_unshard()
             ctx.record(group)
-        ctx.num_forwards += 1
-        self._call_start = ctx.num_forwards
+        self._call_start = ctx.count_forward()
         self._call_inputs = (
             self.inputs.hook((args, kwargs), (ctx.iteration, ctx.num_backwards))
             if torch.is_grad_enabled()

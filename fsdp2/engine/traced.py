@@ -91,12 +91,10 @@ def set_traced(module: nn.Module, traced: bool = True) -> None:
     for state in states:
         if traced and state.group is not None:
             state.group.reshard()  # gathered tensors of an eager step would go stale
-            state.group.label = module_label([fqns[id(m)] for m in state.modules])  # as lazy init
+            state.group.rename(module_label([fqns[id(m)] for m in state.modules]))  # as lazy init
         if traced:
-            requested = state.requested_reshard_after_forward
-            is_root = any(m is module for m in state.modules)
-            state.reshard_after_forward = (not is_root) if requested is None else bool(requested)
-        state.traced = traced
+            state.decide_reshard_after_forward(any(m is module for m in state.modules))
+        state.set_traced(traced)
 
 
 def traced_forward(

@@ -146,14 +146,14 @@ def _hooks_step_aside(state: FSDPState, label: str, keep: bool) -> Iterator[None
         return output
 
     traced = state.traced  # the traced forward would gather (and re-register shards) itself
-    state.traced = False
+    state.set_traced(False)
     state.__dict__["pre_forward"] = pre_forward
     state.__dict__["post_forward"] = post_forward
     try:
         yield
     finally:
         del state.__dict__["pre_forward"], state.__dict__["post_forward"]
-        state.traced = traced
+        state.set_traced(traced)
 
 
 @contextmanager

@@ -14,7 +14,7 @@ from fsdp2.engine.coalesce import ag_joinable
 from fsdp2.engine.coalesce_reduce import rs_joinable
 from fsdp2.engine.param import FSDPParam
 from fsdp2.engine.param_group import FSDPParamGroup
-from fsdp2.engine.state import STATES, FSDPState, module_label
+from fsdp2.engine.state import STATES, FSDPState, module_label, reshard_after_forward_of
 
 __all__ = ["GroupFacts", "collect_groups"]
 
@@ -85,8 +85,7 @@ def collect_groups(model: nn.Module) -> list[GroupFacts]:
     for i, state in enumerate(states):
         fqns = [names.get(id(m), "") for m in state.modules]
         label = module_label(fqns)
-        requested = state.requested_reshard_after_forward
-        reshard = (i != 0) if requested is None else requested  # the root keeps its parameters
+        reshard = reshard_after_forward_of(state.requested_reshard_after_forward, i == 0)
         for group in state.groups:
             fact = _facts(group, label, i == 0, reshard)
             reached_i = i == 0 or reached[i]
