@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from types import MethodType
 from typing import Any, Literal, cast, overload
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp._fully_shard._fully_shard import FSDPModule as TorchFSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp2.engine.agreement import check_fully_shard
+from fsdp2.engine.claims import managed_modules, managed_params, take_ties
 from fsdp2.engine.mesh import MeshInfo, default_mesh, device_of, mesh_info
 from fsdp2.engine.modes import MODES, ReshardToK, mode_for
 from fsdp2.engine.module import (
@@ -47,8 +46,6 @@ __all__ = [
     "share_comm_ctx",
 ]
 
-
-logger = logging.getLogger("fsdp2")
 
 # Argument types shared by the signatures below. True/False/None, or an int: see fully_shard.
 ReshardAfterForward = bool | int | None
@@ -242,7 +239,7 @@ def _apply(
     ``info``'s) and install the runtime."""
     device = device_of(info.mesh)
     label = ", ".join(type(m).__name__ for m in modules)
-    slots = _managed_params(modules, ignored_params or set())
+    slots = managed_params(modules, ignored_params or set())
     # Before anything that could raise from this rank's own tensors: see agreement.py.
     kept = {param: mp_policy.kept_dtype(param) for param in slots}
     kept_names = [f"{slots[p][0]}: {dtype}" for p, dtype in kept.items() if dtype is not None]
@@ -256,8 +253,8 @@ def _apply(
     )
     fqns = {param: fqn for param, (fqn, _) in slots.items()}
     meta_on_some_rank = check_fully_shard(label, fqns, info, device, arguments)
-    _check_reshard_value(reshard_after_forward, info, label)  # before a tie moves (below)
-    moved = _take_ties(modules, slots, kept, mp_policy)
+    ReshardToK.check_value(reshard_after_forward, info, label)  # before a tie moves (below)
+    moved = take_ties(modules, slots, kept, mp_policy)
     # mesh (None: fully_shard's own) -> its parameters and their full tensors
     by_mesh: dict[DeviceMesh | None, tuple[list[FSDPParam], list[torch.Tensor]]] = {None: ([], [])}
     created: dict[nn.Parameter, FSDPParam] = {}
@@ -305,9 +302,11 @@ def _apply(
     params = [p for g in groups for p in g.fsdp_params]
     # Resolved (and validated) before the first change to the modules: a rejected value leaves
     # them as they were, ready for a corrected call.
-    reshard_after_forward = _resolve_reshard_after_forward(
-        reshard_after_forward, info, group, label
+    reshard_after_forward, k_mode = ReshardToK.resolve(
+        reshard_after_forward, info, group.fsdp_params if group is not None else [], label
     )
+    if group is not None and k_mode is not None:
+        group.set_mode(k_mode)
     reshard_after_forward = MODES[memory_mode].reshard_after_forward(reshard_after_forward)
     for fsdp_param in params:
         fsdp_param.register(fsdp_param.sharded_param)
@@ -318,7 +317,7 @@ def _apply(
         # across calls]).
         param._fsdp2_owner = label  # type: ignore[attr-defined]
         TIES.sharded(param, group_of[id(created[param])], created[param])
-    for managed in _managed_modules(modules):
+    for managed in managed_modules(modules):
         for name, buf in managed._buffers.items():
             # A meta buffer has no data to move: to_empty() materialises it with the parameters.
             if buf is not None and buf.device != device and buf.device.type != "meta":
@@ -344,89 +343,6 @@ def _check_memory_mode(
             "shards everything over both dims of a (replicate, shard) mesh"
         )
     MODES[mode].check_args(reshard_after_forward, dp_mesh_dims, who)
-
-
-def _take_ties(
-    modules: tuple[nn.Module, ...],
-    slots: dict[nn.Parameter, tuple[str, list[tuple[nn.Module, str]]]],
-    kept: dict[nn.Parameter, torch.dtype | None],
-    mp_policy: MixedPrecisionPolicy,
-) -> dict[nn.Parameter, torch.Tensor]:
-    """Take in the tied weights this call is the common ancestor of ([Note: weights tied
-    across calls]): each leaves the group that sharded it and joins this call's ``slots`` with
-    all its places. Returns their current full values (the original objects may be stale)."""
-    moved: dict[nn.Parameter, torch.Tensor] = {}
-    names = {id(m): n for top in modules for n, m in top.named_modules()}
-    for param, tie in TIES.resolved_by(modules):
-        moved[param] = tie.group.remove(tie.fsdp_param)
-        if not tie.group.fsdp_params:  # nothing left: the state that made it drops it
-            for state in STATES.under(*modules):
-                if tie.group in state.groups:
-                    state.groups.remove(tie.group)
-        module, name = tie.places()[0]
-        slots[param] = (f"{names[id(module)]}.{name}".lstrip("."), tie.places())
-        kept[param] = mp_policy.kept_dtype(param)
-        logger.info(
-            "fsdp2: %s is tied to %s across fully_shard calls; the call on %s manages it",
-            ", ".join(tie.met_fqns),
-            tie.fsdp_param.fqn,
-            ", ".join(type(m).__name__ for m in modules),
-        )
-    return moved
-
-
-def _check_reshard_value(value: object, info: MeshInfo, label: str) -> None:
-    """The value alone: a bool, None, or a divisor of the shard world size."""
-    if value is None or isinstance(value, bool):
-        return
-    world = info.shard_size
-    divisors = [k for k in range(1, world + 1) if world % k == 0]
-    if not isinstance(value, int) or value not in divisors:
-        meaning = "1 means False" if world == 1 else f"1 means False, {world} means True"
-        raise ValueError(
-            f"fully_shard({label}): reshard_after_forward={value!r} must be a bool, None, or a "
-            f"divisor of the shard world size {world}: one of {divisors} ({meaning})"
-        )
-
-
-def _resolve_reshard_after_forward(
-    value: bool | int | None, info: MeshInfo, group: FSDPParamGroup | None, label: str
-) -> bool | None:
-    """An int k keeps parameters sharded over k ranks after forward: 1 means False, the whole
-    shard size means True, and other divisors set up the k-rank groups backward gathers in."""
-    if value is None or isinstance(value, bool):
-        return value
-    _check_reshard_value(value, info, label)
-    world = info.shard_size
-    if value in (1, world):
-        return value == world
-    if group is not None and any(p.outer_spec is not None for p in group.fsdp_params):
-        raise NotImplementedError(
-            f"reshard_after_forward={value} with tensor-parallel (DTensor) parameters is not "
-            "supported; use True or False for modules whose parameters are DTensors"
-        )
-    mesh = info.mesh
-    if (
-        mesh.mesh.numel() != dist.get_world_size()
-        or info.shard_axis is None
-        or len(info.shard_axes) > 1
-    ):
-        raise NotImplementedError(
-            f"reshard_after_forward={value} needs a mesh over all {dist.get_world_size()} ranks "
-            f"(got one of {mesh.mesh.numel()}): every rank must create every k-rank group"
-        )
-    # Every rank creates every group, in the same order: all shard rows of the mesh, cut in k.
-    rows = mesh.mesh.movedim(info.shard_axis, -1).reshape(-1, world).tolist()
-    mine = None
-    for row in rows:
-        for start in range(0, world, value):
-            pg = dist.new_group(row[start : start + value])
-            if dist.get_rank() in row[start : start + value]:
-                mine = pg
-    if group is not None and mine is not None:
-        block = info.shard_rank % value
-        group.set_mode(ReshardToK(mine, (block * world // value, (block + 1) * world // value)))
-    return True
 
 
 def _check_modules(modules: tuple[nn.Module, ...]) -> None:
@@ -479,51 +395,6 @@ def _shard_choice(
             f"{tuple(param.shape)}, which has no such dim"
         )
     return dim, other
-
-
-def _managed_modules(modules: Iterable[nn.Module]) -> list[nn.Module]:
-    """Modules under ``modules`` that no earlier ``fully_shard`` call claimed."""
-    found: list[nn.Module] = []
-    seen: set[int] = set()
-    stack = list(reversed(list(modules)))
-    while stack:
-        mod = stack.pop()
-        if id(mod) in seen:
-            continue
-        seen.add(id(mod))
-        found.append(mod)
-        stack.extend(
-            child
-            for child in reversed(list(mod.children()))
-            if state_of(child) is None and id(child) not in seen
-        )
-    return found
-
-
-def _managed_params(
-    modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]
-) -> dict[nn.Parameter, tuple[str, list[tuple[nn.Module, str]]]]:
-    """Each parameter this call manages → (its first FQN, every (module, name) it sits under)."""
-    managed = _managed_modules(modules)
-    names = {id(m): n for top in modules for n, m in top.named_modules()}
-    out: dict[nn.Parameter, tuple[str, list[tuple[nn.Module, str]]]] = {}
-    for mod in managed:
-        for name, param in mod._parameters.items():
-            if param is None or param in ignored:
-                continue
-            fqn = f"{names.get(id(mod), '')}.{name}".lstrip(".")
-            owner = getattr(param, "_fsdp2_owner", None)
-            if owner is not None and TIES.meet(param, mod, name, fqn):
-                continue  # [Note: weights tied across calls]: their common ancestor's
-            if owner is not None:
-                raise ValueError(
-                    f"{fqn} (in {type(mod).__name__}) is already sharded by the fully_shard call "
-                    f"on {owner}: a tied weight cannot live in two groups. Group the modules "
-                    "that share it in one call, e.g. fully_shard([embedding, lm_head])"
-                )
-            entry = out.setdefault(param, (fqn, []))
-            entry[1].append((mod, name))
-    return out
 
 
 _wrapped_classes: dict[tuple[type, type], type] = {}

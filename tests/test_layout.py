@@ -195,7 +195,7 @@ NAMES: dict[str, tuple[str, ...]] = {
     "._group": ("FSDPParamGroup",),  # torch_state._GroupView
     "groups[]": ("FSDPParamGroup",),
     ".groups[]": ("FSDPParamGroup",),
-    # Mode (modes.py): a group's memory mode
+    # Mode (engine/modes/): a group's memory mode
     "mode": ("Mode",),
     ".mode": ("Mode",),
     # FSDPState

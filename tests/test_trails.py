@@ -22,7 +22,7 @@ from trails import GRAD_SET, Trail, cut, grad_trails, measure
 
 # Distinct fsdp2 files per trail, today (2026-11, torch 2.13): {coalescing: {trail: files}}.
 # Issue 41's targets: backward_to_issue ≤ 6, issue_to_grad ≤ 4, forward_to_gather ≤ 6. The
-# uncoalesced gather now asks the group's mode for its input (engine/modes.py): one file more
+# uncoalesced gather now asks the group's mode for its input (engine/modes/base.py): one file more
 # on two trails than before the modes (16, 11), until the seam's and the group's files merge.
 MAX_FILES = {
     False: {"backward_to_issue": 17, "issue_to_grad": 13, "forward_to_gather": 12},

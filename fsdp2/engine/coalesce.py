@@ -65,7 +65,6 @@ from fsdp2.engine.param_group import (
     FSDPParamGroup,
     InFlightGather,
     ShardedState,
-    SharedOutput,
     outside_transforms,
 )
 
@@ -73,6 +72,7 @@ __all__ = [
     "ALIGN",
     "DEFAULT_COALESCE_BYTES",
     "Gathers",
+    "SharedOutput",
     "ag_joinable",
     "bucket_label",
     "check_on_host",
@@ -184,6 +184,42 @@ def fixed_send_bytes(sends: list[int], budget: int, world: int) -> int:
 def _send_bytes(group: FSDPParamGroup) -> int:
     """This rank's part of ``group``'s gather, aligned so that the next one starts aligned."""
     return _aligned(group.layout.plain_numel * group.layout.param_dtype.itemsize)
+
+
+class SharedOutput:
+    """The output of a coalesced gather (coalesce.py), freed once every group it served is done
+    with it: copied out, or resharded without."""
+
+    def __init__(
+        self, out: torch.Tensor, users: int, check: Callable[[], None], send: torch.Tensor
+    ) -> None:
+        self.out = out
+        self.users = users
+        self._check: Callable[[], None] | None = check  # raises if the ranks' buckets differ
+        # This rank's send buffer: freed as soon as the gather is done, not whenever the
+        # backend drops its own reference (gloo: on its worker thread, maybe after the next
+        # gather started), so that it never adds to the budget's worth gathered ahead.
+        self._send: torch.Tensor | None = send
+
+    def check(self) -> None:
+        """Once the gather finished, before any group copies out: did every rank send the
+        same groups? (Run once, by the first group to wait.)"""
+        self._free_send()
+        check, self._check = self._check, None
+        if check is not None:
+            check()
+
+    def _free_send(self) -> None:
+        send, self._send = self._send, None
+        if send is not None:
+            send.untyped_storage().resize_(0)
+
+    def release(self) -> None:
+        """One group done with the output (after the gather finished)."""
+        self._free_send()
+        self.users -= 1
+        if self.users == 0:  # as for an owned buffer: not left to the collective's reference
+            self.out.untyped_storage().resize_(0)
 
 
 class Gathers:

@@ -1,5 +1,6 @@
-"""A parameter's gradient on its way into a reduction (``local_grad``) and, reduced, back to the
-sharded parameter (``accumulate_grad``, ``hand_over``)."""
+"""A parameter's gradient on its way into a reduction (``local_grad``; ``refuse_grad`` for one no
+reduction can take) and, reduced, back to the sharded parameter (``cut_shards``,
+``whole_shards``, ``accumulate_grad``, ``hand_over``)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,61 @@ from torch.distributed.tensor import DTensor, Partial
 
 from fsdp2.engine.param import FSDPParam
 
-__all__ = ["Reduced", "accumulate_grad", "hand_over", "local_grad"]
+__all__ = [
+    "Reduced",
+    "accumulate_grad",
+    "cut_shards",
+    "hand_over",
+    "local_grad",
+    "refuse_grad",
+    "whole_shards",
+]
 
 # A reduced shard for its parameter, and, for a parameter this rank had no gradient for, the
 # reduced flag that says whether any rank had one ([Note: gradients on some ranks only], reduce.py).
 Reduced = tuple[FSDPParam, torch.Tensor, "torch.Tensor | None"]
+
+
+def cut_shards(
+    out: torch.Tensor,
+    flags: torch.Tensor | None,
+    params: list[FSDPParam],
+    used: list[bool] | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    each: bool,
+) -> list[Reduced]:
+    """A finished reduction's ``out`` (this rank's chunk of every parameter in ``params``) cut
+    into their shards, on the shards' ``device`` in ``dtype``, or with ``each``, each in its
+    own gradient dtype (mixed dtypes, a grad_dtype); ``flags``: the reduced flag of each
+    parameter ``used`` says this rank had no gradient for."""
+    out = out.to(device, out.dtype if each else dtype)  # no-op without mp or offload
+    shards: list[Reduced] = []
+    start = 0
+    for i, fsdp_param in enumerate(params):
+        shard = fsdp_param.local_view(out, start)
+        flag = None if flags is None or used is None or used[i] else flags[i]
+        shards.append(
+            (fsdp_param, shard.to(fsdp_param.sharded_grad_dtype) if each else shard, flag)
+        )
+        start += fsdp_param.chunk.numel
+    return shards
+
+
+def whole_shards(
+    params: list[FSDPParam], grads: list[torch.Tensor], device: torch.device
+) -> list[Reduced]:
+    """One rank and no replicas: each whole gradient is its parameter's shard."""
+    shards: list[Reduced] = []
+    for p, g in zip(params, grads, strict=True):
+        # Usually already the shard's shape, dtype and device: skip the calls (per step, per
+        # parameter, they were the largest single cost of a one-rank backward).
+        if g.shape != p.chunk.local_shape:
+            g = g.reshape(p.chunk.local_shape)
+        if g.dtype != p.sharded_grad_dtype or g.device != device:
+            g = g.to(device, p.sharded_grad_dtype)
+        shards.append((p, g, None))
+    return shards
 
 
 def accumulate_grad(fsdp_param: FSDPParam, local: torch.Tensor) -> None:
@@ -48,6 +99,25 @@ def hand_over(reduced: list[Reduced]) -> None:
     for fsdp_param, shard, flag in reduced:
         if flag is None or next(anywhere):
             accumulate_grad(fsdp_param, shard)
+
+
+def refuse_grad(fqn: str, grad: torch.Tensor) -> None:
+    """Raise for a gradient no reduce-scatter can take: one with a graph, or a sparse one."""
+    if not grad.requires_grad:
+        raise RuntimeError(
+            f"fsdp2: {fqn} got a gradient of layout {grad.layout}, but sharded gradients are "
+            "reduce-scattered as dense tensors. A sparse gradient comes from "
+            "nn.Embedding(..., sparse=True) or nn.EmbeddingBag(..., sparse=True): build the "
+            "module with sparse=False (the default), or set module.sparse = False; sharding "
+            "already spreads the embedding's memory over the ranks"
+        )
+    raise RuntimeError(
+        f"fsdp2: backward(create_graph=True) gave {fqn} a gradient that requires grad, but "
+        "the reduce-scatter that shards it is not differentiable, so its higher-order terms "
+        "would be lost. Take higher-order gradients with respect to tensors that are not "
+        "sharded parameters (torch.autograd.grad(loss, inputs, create_graph=True), as in a "
+        "gradient penalty), or compute them on an unsharded copy of the model"
+    )
 
 
 def local_grad(fsdp_param: FSDPParam, grad: torch.Tensor) -> torch.Tensor:

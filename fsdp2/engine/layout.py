@@ -309,7 +309,7 @@ class FlatLayout:
     def copy_out(self, out: torch.Tensor, packed: Packing | None, replicas: int = 1) -> None:
         """Regrow the unsharded buffer and copy a finished gather's rank-major ``out`` into it
         (and into the extension parameters, through their post hooks). ``replicas`` > 1: ``out``
-        comes shard-rank-major over that many replicas ([Note: two-level gathers], modes.py)."""
+        comes shard-rank-major over that many replicas ([Note: two-level gathers], modes/hfsdp.py)."""
         flat = self.unsharded_flat
         if flat is None:
             raise AssertionError(

@@ -5,7 +5,7 @@ the flat buffers, [Note: flat layout]), its ``settings`` (settings.py: what the 
 ``reducer`` (reduce.py: the gradient side). Every change of ``state`` goes through ``_enter``,
 which checks the state it leaves.
 
-What it keeps between uses, and over which groups it gathers, its ``mode`` says (modes.py:
+What it keeps between uses, and over which groups it gathers, its ``mode`` says (modes/:
 zero3, reshard-to-k, zero2, hfsdp); the group asks it and never branches on which mode it is.
 """
 
@@ -15,7 +15,7 @@ import contextlib
 import functools
 from collections.abc import Callable
 from enum import Enum, auto
-from typing import NamedTuple, ParamSpec, TypeVar
+from typing import NamedTuple, ParamSpec, Protocol, TypeVar
 
 import torch
 
@@ -29,7 +29,7 @@ from fsdp2.engine.policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from fsdp2.engine.reduce import GradientReducer
 from fsdp2.engine.settings import GroupSettings
 
-__all__ = ["FSDPParamGroup", "InFlightGather", "ShardedState", "SharedOutput", "outside_transforms"]
+__all__ = ["FSDPParamGroup", "InFlightGather", "ShardedState", "Shared", "outside_transforms"]
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -104,40 +104,12 @@ _ENTERED_FROM = {
 }
 
 
-class SharedOutput:
-    """The output of a coalesced gather (coalesce.py), freed once every group it served is done
-    with it: copied out, or resharded without."""
+class Shared(Protocol):
+    """What a group does with a coalesced gather's shared output (``coalesce.SharedOutput``)."""
 
-    def __init__(
-        self, out: torch.Tensor, users: int, check: Callable[[], None], send: torch.Tensor
-    ) -> None:
-        self.out = out
-        self.users = users
-        self._check: Callable[[], None] | None = check  # raises if the ranks' buckets differ
-        # This rank's send buffer: freed as soon as the gather is done, not whenever the
-        # backend drops its own reference (gloo: on its worker thread, maybe after the next
-        # gather started), so that it never adds to the budget's worth gathered ahead.
-        self._send: torch.Tensor | None = send
+    def check(self) -> None: ...  # once the gather finished: did every rank send the same?
 
-    def check(self) -> None:
-        """Once the gather finished, before any group copies out: did every rank send the
-        same groups? (Run once, by the first group to wait.)"""
-        self._free_send()
-        check, self._check = self._check, None
-        if check is not None:
-            check()
-
-    def _free_send(self) -> None:
-        send, self._send = self._send, None
-        if send is not None:
-            send.untyped_storage().resize_(0)
-
-    def release(self) -> None:
-        """One group done with the output (after the gather finished)."""
-        self._free_send()
-        self.users -= 1
-        if self.users == 0:  # as for an owned buffer: not left to the collective's reference
-            self.out.untyped_storage().resize_(0)
+    def release(self) -> None: ...  # this group is done with it
 
 
 class InFlightGather(NamedTuple):
@@ -147,7 +119,7 @@ class InFlightGather(NamedTuple):
     out: torch.Tensor  # rank-major: every rank's send buffer (1-D, or (W, n) when coalesced)
     packing: Packing | None  # the extension parameters' metadata, if any
     owned: bool  # ``out`` is ours to free: not a custom collective's buffer, not the shard itself
-    shared: SharedOutput | None = None  # a coalesced gather's output, ``out`` a slice of it
+    shared: Shared | None = None  # a coalesced gather's output, ``out`` a slice of it
     replicas: int = 1  # >1: ``out`` comes shard-rank-major over replicas (modes.GatherInput)
 
 

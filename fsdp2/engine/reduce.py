@@ -47,9 +47,10 @@ import torch
 import torch.distributed as dist
 
 from fsdp2.engine.collectives import Pending, all_reduce, reduce_scatter
-from fsdp2.engine.grads import Reduced, local_grad
+from fsdp2.engine.grads import Reduced, cut_shards, local_grad, refuse_grad, whole_shards
 from fsdp2.engine.layout import FlatLayout
 from fsdp2.engine.mesh import MeshInfo
+from fsdp2.engine.modes.hfsdp import reduce_scatter_in_levels
 from fsdp2.engine.param import FSDPParam
 from fsdp2.engine.settings import GroupSettings
 
@@ -152,9 +153,7 @@ class GradientReducer:
     ) -> None:
         self.label = label
         self.info = info
-        # hfsdp: the (replicate, shard) groups it reduce-scatters over in two levels (its
-        # mode's, modes.py); None: one level.
-        self.levels = levels
+        self.levels = levels  # hfsdp's (replicate, shard): two-level reduce-scatters (modes/)
         self.shard_size = info.shard_size
         self.layout = layout
         self.settings = settings
@@ -224,23 +223,8 @@ class GradientReducer:
             return 0
 
     def _refuse_grad(self, param: torch.Tensor, grad: torch.Tensor) -> None:
-        """Raise for a gradient no reduce-scatter can take: one with a graph, or a sparse one."""
         fqn = next((p.fqn for p in self.layout.trainable if p.unsharded_param is param), "?")
-        if not grad.requires_grad:
-            raise RuntimeError(
-                f"fsdp2: {fqn} got a gradient of layout {grad.layout}, but sharded gradients are "
-                "reduce-scattered as dense tensors. A sparse gradient comes from "
-                "nn.Embedding(..., sparse=True) or nn.EmbeddingBag(..., sparse=True): build the "
-                "module with sparse=False (the default), or set module.sparse = False; sharding "
-                "already spreads the embedding's memory over the ranks"
-            )
-        raise RuntimeError(
-            f"fsdp2: backward(create_graph=True) gave {fqn} a gradient that requires grad, but "
-            "the reduce-scatter that shards it is not differentiable, so its higher-order terms "
-            "would be lost. Take higher-order gradients with respect to tensors that are not "
-            "sharded parameters (torch.autograd.grad(loss, inputs, create_graph=True), as in a "
-            "gradient penalty), or compute them on an unsharded copy of the model"
-        )
+        refuse_grad(fqn, grad)
 
     def has_unreduced_grads(self) -> bool:
         if self.unreduced:
@@ -353,39 +337,18 @@ class GradientReducer:
             out = inp.new_empty(inp.shape[1])
         group, op = self.reduce_group(), reduce_op(use_sum)
         levels = self.levels
-        two = levels is not None and min(levels[0].size(), levels[1].size()) > 1
-        if two and comm is None and self.settings.reduce_scatter_group is None:
-            inp, pending = self._in_levels(out, inp, op)
+        if (
+            levels is not None
+            and min(levels[0].size(), levels[1].size()) > 1
+            and comm is None
+            and self.settings.reduce_scatter_group is None
+        ):
+            inp, pending = reduce_scatter_in_levels(
+                out, inp, op, levels, self.label, self.reduce_scatter
+            )
         else:
             pending = self.reduce_scatter(out, inp.view(-1), group, self.label, op, comm)
         return PendingReduce(self, pending, out, params, inp, use_sum, comm is None, used)
-
-    def _in_levels(
-        self, out: torch.Tensor, inp: torch.Tensor, op: dist.ReduceOp.RedOpType
-    ) -> tuple[torch.Tensor, Pending]:
-        """hfsdp's reduce-scatter of ``inp`` (rank-major over the flattened (R, S) mesh) in two
-        levels, as HSDP reduces: over the shard dim first, whole gradients (the large stage,
-        within a node where the mesh puts the shard dim), then the 1/S each rank got over the
-        replicate dim (in place of HSDP's all-reduce), so the sums are HSDP's, in its order.
-
-        Rank (r, s) holds chunk ``r * S + s``, so the shard dim's input is ``inp``'s rows
-        reordered shard-rank-major (a copy: rank s of the first level gets rows ``r * S + s``
-        for every r, which ``inp`` does not hold together); its output, R rows, is the second
-        level's input as it stands. The first level is waited on before the second is issued
-        (its output is the second's input, on another process group). Returns the second
-        level's input (to keep alive until it finishes) and its pending collective."""
-        levels = self.levels
-        if levels is None:
-            raise AssertionError(f"reduce_grads '{self.label}': two levels without levels")
-        replicate, shard = levels
-        replicas, shards = replicate.size(), shard.size()
-        numel = inp.shape[-1]
-        by_shard = inp.view(replicas, shards, numel).transpose(0, 1).contiguous()
-        inp.untyped_storage().resize_(0)  # ours (built by this group): copied, free it
-        middle = inp.new_empty(replicas * numel)
-        self.reduce_scatter(middle, by_shard.view(-1), shard, self.label, op, None).wait()
-        by_shard.untyped_storage().resize_(0)
-        return middle, self.reduce_scatter(out, middle, replicate, self.label, op, None)
 
     def _has_grad(self, fsdp_param: FSDPParam) -> bool:
         return fsdp_param.unsharded_param.grad is not None or fsdp_param in self.unreduced
@@ -459,31 +422,17 @@ class GradientReducer:
             flags, out = out[out.numel() - len(used) :], out[: out.numel() - len(used)]
         if self.settings.all_reduce_hook is not None:
             self.settings.all_reduce_hook(out)
-        # No-op without mp or offload. A group whose gradients differ in dtype (mixed dtypes,
-        # a grad_dtype) casts each shard to its own.
-        each = self.layout.cast_each_grad
-        out = out.to(self.layout.sharded_flat.device, out.dtype if each else self.layout.dtype)
-        shards: list[Reduced] = []
-        start = 0
-        for i, fsdp_param in enumerate(params):
-            shard = fsdp_param.local_view(out, start)
-            flag = None if flags is None or used is None or used[i] else flags[i]
-            shards.append(
-                (fsdp_param, shard.to(fsdp_param.sharded_grad_dtype) if each else shard, flag)
-            )
-            start += fsdp_param.chunk.numel
-        return shards
+        layout = self.layout
+        return cut_shards(
+            out,
+            flags,
+            params,
+            used,
+            layout.sharded_flat.device,
+            layout.dtype,
+            layout.cast_each_grad,
+        )
 
     def own_shards(self, params: list[FSDPParam], grads: list[torch.Tensor]) -> list[Reduced]:
         """With one rank and no replicas, each whole gradient is the shard: no copy, no cut."""
-        device = self.layout.sharded_flat.device
-        shards: list[Reduced] = []
-        for p, g in zip(params, grads, strict=True):
-            # Usually already the shard's shape, dtype and device: skip the calls (per step,
-            # per parameter, they were the largest single cost of a one-rank backward).
-            if g.shape != p.chunk.local_shape:
-                g = g.reshape(p.chunk.local_shape)
-            if g.dtype != p.sharded_grad_dtype or g.device != device:
-                g = g.to(device, p.sharded_grad_dtype)
-            shards.append((p, g, None))
-        return shards
+        return whole_shards(params, grads, self.layout.sharded_flat.device)

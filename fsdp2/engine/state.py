@@ -133,6 +133,11 @@ class FSDPState:
         """Run the forward as one traced graph (traced.py) or through the eager hooks."""
         self.traced = traced
 
+    def drop_group(self, group: FSDPParamGroup) -> None:
+        """Forget ``group`` (emptied: its last parameter, a tie, moved to another call)."""
+        if group in self.groups:
+            self.groups.remove(group)
+
     def set_manual_finalization(self, enabled: bool) -> None:
         """``set_manual_backward_finalization``: read from the root at its next backward."""
         self.manual_finalization = enabled

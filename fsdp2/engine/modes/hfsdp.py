@@ -1,0 +1,177 @@
+"""``memory_mode="hfsdp"``: parameters, gradients and optimizer state sharded over both dims of a
+(replicate, shard) mesh, gathered and reduced in two levels.
+
+[Note: two-level gathers]).
+
+A new mode is a subclass here (its checks at ``fully_shard``, its gather input, what it keeps),
+its entry in ``MODES``, and its tests (CONTRIBUTING.md, "Adding a memory mode").
+
+[Note: parameters kept gathered between steps]
+zero2's reshard registers the sharded parameters as always, so that between steps the module
+holds what the optimizer and the state dict see, but keeps the gathered copy. The next unshard
+registers that copy again without an all-gather while it is current: while no rank's shard
+changed since its gather (``KeptCopy``, [Note: when a kept copy is current] in kept.py: a key of
+optimizer steps and version counters first, then the shards' bytes, agreed by every rank). A
+re-pack or a freed buffer means gathering anew too. So K micro-batches of accumulation cost one
+all-gather per step, the first forward's after the optimizer step, and no write to the shards
+is ever trained on stale.
+
+[Note: two-level gathers]
+hfsdp on a (replicate R, shard S) mesh shards the parameters over all R x S ranks, so the
+optimizer steps 1/(R S) of each, and the gradients reach their shards by two reduce-scatters,
+over the shard dim, then over the replicate dim, HSDP's sums in HSDP's order
+(``GradientReducer._in_levels``). The gather goes in two levels: over the replicate dim, this
+rank's R peers' shards make its shard rank's 1/S, kept from one step to the next like zero2's
+copy, under the same key; then over the shard dim, at every use, as HSDP gathers. DTensor nests
+``Shard`` over (R, S) in that order, so rank (r, s) holds chunk ``r * S + s``: the second
+gather's output comes shard-rank-major and the copy-out reads it transposed (layout.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from fsdp2.engine.collectives import Pending
+from fsdp2.engine.kept import KeptCopy
+from fsdp2.engine.layout import FlatLayout
+from fsdp2.engine.mesh import MeshInfo, hfsdp_info
+from fsdp2.engine.modes.base import (
+    AllGatherFn,
+    GatherInput,
+    KeptPlan,
+    Mode,
+    send_bytes,
+    shard_key,
+    snapshot_bytes,
+)
+from fsdp2.engine.policies import DataParallelMeshDims
+from fsdp2.engine.steps import watch_optimizer_steps
+
+__all__ = ["HFSDP", "reduce_scatter_in_levels"]
+
+
+class HFSDP(Mode):
+    """Shards over both dims of a (replicate, shard) mesh; gathers and reduces in two levels
+    ([Note: two-level gathers])."""
+
+    name = "hfsdp"
+    coalesces = False  # two levels, each its own collective
+    traced_refusal = "memory_mode='hfsdp'"
+
+    def __init__(self, levels: tuple[dist.ProcessGroup, dist.ProcessGroup]) -> None:
+        self.levels = levels  # the replicate dim's group, the shard dim's
+        self._replica: KeptCopy | None = None  # this shard rank's 1/S, gathered over replicas
+        watch_optimizer_steps()
+
+    @classmethod
+    def check_args(cls, reshard_after_forward: object, dp_mesh_dims: object, who: str) -> None:
+        if dp_mesh_dims is not None:
+            raise NotImplementedError(
+                f"fully_shard({who}): memory_mode='hfsdp' with dp_mesh_dims is not supported "
+                "yet; pass the (replicate, shard) mesh itself"
+            )
+        if not (reshard_after_forward is None or isinstance(reshard_after_forward, bool)):
+            raise NotImplementedError(
+                f"fully_shard({who}): memory_mode='hfsdp' takes reshard_after_forward True, "
+                f"False or None, got {reshard_after_forward!r}"
+            )
+
+    @classmethod
+    def mesh_info(
+        cls, mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims | None, who: str
+    ) -> MeshInfo:
+        return hfsdp_info(mesh, who)
+
+    @classmethod
+    def refused(cls, layout: FlatLayout) -> list[str]:
+        # Two-level gathers know no extension packing; the flattened layout no tensor-parallel
+        # placements.
+        return [p.fqn for p in layout.ext_params] + [
+            p.fqn for p in layout.params if p.outer_spec is not None
+        ]
+
+    def gather_input(
+        self, layout: FlatLayout, info: MeshInfo, reshards: int, gather: AllGatherFn
+    ) -> GatherInput:
+        replicate, shard = self.levels
+        return GatherInput(
+            self._replica_gathered(layout, reshards, gather), None, shard, replicate.size()
+        )
+
+    def _replica_gathered(
+        self, layout: FlatLayout, reshards: int, gather: AllGatherFn
+    ) -> torch.Tensor:
+        """The first level: this shard rank's 1/S, gathered over the replicate dim unless the
+        copy kept from an earlier gather is current."""
+        key = shard_key(layout)
+        replicate = self.levels[0]
+        replica = self._replica
+        if replica is not None and replica.current(
+            layout.sharded_flat, key, replicate, layout.label, reshards
+        ):
+            return replica.buffer
+        self._replica = None  # a stale copy is not kept beside the new one
+        source, _ = layout.gather_source()
+        out = source.new_empty(replicate.size() * source.numel())
+        if replicate.size() == 1:
+            out.copy_(source)
+        else:
+            gather(out, source, replicate, layout.label, None).wait()
+        self._replica = KeptCopy(out, layout.sharded_flat, key)
+        return out
+
+    def forget(self) -> None:
+        self._replica = None
+
+    def kept_nbytes(self, layout: FlatLayout) -> int:
+        if self._replica is None:
+            return 0
+        return self._replica.buffer.untyped_storage().nbytes() + self._replica.snapshot_nbytes()
+
+    def reduce_levels(self) -> tuple[dist.ProcessGroup, dist.ProcessGroup] | None:
+        return self.levels
+
+    def plan(self, layout: FlatLayout, shard_size: int) -> KeptPlan:
+        if shard_size == 1:
+            return KeptPlan()
+        replicas, send = self.levels[0].size(), send_bytes(layout)
+        return KeptPlan(
+            kept_bytes=replicas * send + snapshot_bytes(layout),
+            replica_world=replicas,
+            copy_extra_bytes=shard_size * send,
+        )
+
+
+def reduce_scatter_in_levels(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    op: dist.ReduceOp.RedOpType,
+    levels: tuple[dist.ProcessGroup, dist.ProcessGroup],
+    label: str,
+    reduce_scatter: Callable[..., Pending],
+) -> tuple[torch.Tensor, Pending]:
+    """hfsdp's reduce-scatter of ``inp`` (rank-major over the flattened (R, S) mesh) in two
+    levels, as HSDP reduces: over the shard dim first, whole gradients (the large stage, within
+    a node where the mesh puts the shard dim), then the 1/S each rank got over the replicate dim
+    (in place of HSDP's all-reduce), so the sums are HSDP's, in its order.
+
+    Rank (r, s) holds chunk ``r * S + s``, so the shard dim's input is ``inp``'s rows reordered
+    shard-rank-major (a copy: rank s of the first level gets rows ``r * S + s`` for every r,
+    which ``inp`` does not hold together); its output, R rows, is the second level's input as it
+    stands. The first level is waited on before the second is issued (its output is the
+    second's input, on another process group). ``reduce_scatter``: the reducer's seam function.
+    Returns the second level's input (to keep alive until it finishes) and its pending
+    collective."""
+    replicate, shard = levels
+    replicas, shards = replicate.size(), shard.size()
+    numel = inp.shape[-1]
+    by_shard = inp.view(replicas, shards, numel).transpose(0, 1).contiguous()
+    inp.untyped_storage().resize_(0)  # ours (built by the group): copied, free it
+    middle = inp.new_empty(replicas * numel)
+    reduce_scatter(middle, by_shard.view(-1), shard, label, op, None).wait()
+    by_shard.untyped_storage().resize_(0)
+    return middle, reduce_scatter(out, middle, replicate, label, op, None)
