@@ -5,8 +5,11 @@ reduction can take) and, reduced, back to the sharded parameter (``cut_shards``,
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor.placement_types import Placement
 
+from fsdp2.engine.collectives import all_reduce
 from fsdp2.engine.param import FSDPParam
 
 __all__ = [
@@ -120,7 +123,7 @@ def refuse_grad(fqn: str, grad: torch.Tensor) -> None:
     )
 
 
-def local_grad(fsdp_param: FSDPParam, grad: torch.Tensor) -> torch.Tensor:
+def local_grad(fsdp_param: FSDPParam, grad: torch.Tensor, label: str) -> torch.Tensor:
     """The plain tensor to reduce for an unsharded gradient. A DTensor gradient (tensor
     parallel) is first laid out as its parameter on the model-parallel dims (e.g. ``Partial``
     after a row-wise layer is summed over tp), but a ``Partial`` on a data-parallel dim is left
@@ -142,6 +145,35 @@ def local_grad(fsdp_param: FSDPParam, grad: torch.Tensor) -> torch.Tensor:
         have if axis in dp_axes and isinstance(have, Partial) else want
         for axis, (have, want) in enumerate(zip(grad.placements, spec.placements, strict=True))
     )
-    if grad.placements != target:
-        grad = grad.redistribute(spec.mesh, target)
-    return grad._local_tensor
+    if grad.placements == target:
+        return grad._local_tensor
+    summed = _summed_through_seam(grad, target, label)
+    if summed is not None:
+        return summed
+    # Any other change of layout (a Partial to a Shard, several dims at once) is DTensor's to
+    # plan: its collectives bypass the seam (not recorded, not in the hang report).
+    return grad.redistribute(spec.mesh, target)._local_tensor
+
+
+def _summed_through_seam(
+    grad: DTensor, target: tuple[Placement, ...], label: str
+) -> torch.Tensor | None:
+    """The common change, a ``Partial("sum")`` to ``Replicate()`` on one model-parallel dim
+    (a SequenceParallel norm's weight, a row-wise layer's bias), as the seam's all-reduce over
+    that dim's group: what DTensor's redistribution issues (the same collective on the same
+    group, so the same sums), but recorded and seen by the hang report. ``None`` for any other
+    change."""
+    changed = [
+        i
+        for i, (have, want) in enumerate(zip(grad.placements, target, strict=True))
+        if have != want
+    ]
+    if len(changed) != 1:
+        return None
+    axis = changed[0]
+    have, want = grad.placements[axis], target[axis]
+    if not (isinstance(have, Partial) and have.reduce_op == "sum" and want.is_replicate()):
+        return None
+    out = grad._local_tensor.clone()  # out of place, as DTensor's collective is
+    all_reduce(out, grad.device_mesh.get_group(axis), label, dist.ReduceOp.SUM).wait()
+    return out

@@ -367,7 +367,7 @@ class GradientReducer:
             grad = unsharded.grad
             unsharded.grad = None
             dtype = layout.reduce_dtype if layout.mixed else fsdp_param.reduce_dtype
-            grad = local_grad(fsdp_param, grad).to(dtype)
+            grad = local_grad(fsdp_param, grad, self.label).to(dtype)
             summed = self.unreduced.get(fsdp_param)
             if summed is None:
                 self.unreduced[fsdp_param] = grad
@@ -379,7 +379,7 @@ class GradientReducer:
         grad = unsharded.grad
         unsharded.grad = None
         if grad is not None:
-            grad = local_grad(fsdp_param, grad)
+            grad = local_grad(fsdp_param, grad, self.label)
         summed = self.unreduced.pop(fsdp_param, None)
         if summed is not None:  # the sum of earlier micro-steps without sync
             grad = summed if grad is None else summed.add_(grad)

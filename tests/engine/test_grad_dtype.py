@@ -203,6 +203,31 @@ def test_tp_partial_gradient_summed_in_reduce_dtype(impl: str) -> None:
         assert grad == [expected] * 4
 
 
+def _tp_partial_recorded() -> list[tuple[str, str, int, bool]]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    import fsdp2
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    module = TpScale(mesh["tp"])
+    fsdp2.fully_shard(module, mesh=mesh["dp"])
+    x = DTensor.from_local(torch.ones(1, 4), mesh["tp"], [Shard(0)])
+    with fsdp2.record_collectives() as records:
+        module(x).backward()
+    tp = mesh["tp"].get_group().group_name
+    return [(r.kind, r.label, r.world_size, r.group == tp) for r in records]
+
+
+@pytest.mark.usefixtures("fsdp2_only")
+def test_tp_partial_gradient_sum_passes_the_seam() -> None:
+    """The sum over tp of a ``Partial`` gradient is the seam's all-reduce (recorded, in the hang
+    report), not a DTensor redistribution behind its back: at dp size 1 it is the backward's
+    only collective, over the tp group, labelled with the group's modules ("" for the root)."""
+    for records in run_on_ranks(2, _tp_partial_recorded):
+        assert records == [("all_reduce", "", 2, True)]
+
+
 class NormNet(nn.Module):
     """``nn.RMSNorm``'s backward on the CPU yields its bf16 weight's gradient in fp32."""
 
