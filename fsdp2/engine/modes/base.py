@@ -1,17 +1,7 @@
-"""The interface every memory mode implements (``Mode``), with zero3's answers, and what the
-modes share: the input of a gather, the planner's view, the shards' key.
-
-Memory modes: what a group keeps of its gathered parameters between uses, and over which
-mesh levels it gathers and reduces. One class per mode (this package, one file each); each group holds one (``group.mode``)
-and asks it. Coalescing, reduction, traced mode and the planner ask the mode too, so that no
-code elsewhere branches on which mode a group runs.
-
-- ``Zero3`` (``memory_mode="zero3"``): nothing kept; every gather is over the shard dim.
-- ``ReshardToK`` (``reshard_after_forward=k``): after forward, keeps this rank's block of W/k
-  ranks' chunks, so that backward gathers within a k-rank group.
-- ``Zero2`` (``memory_mode="zero2"``): keeps the gathered parameters across reshards
-  (
-"""
+"""The interface every memory mode implements (``Mode``), with zero3's answers: nothing kept
+between uses, every gather over the shard dim from the flat shard. And what the modes share:
+a gather's input, the planner's view of a mode, the shards' key a kept copy is checked by.
+The package's ``__init__`` says what each mode is and how to add one."""
 
 from __future__ import annotations
 

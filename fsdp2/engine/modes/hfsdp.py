@@ -1,26 +1,11 @@
 """``memory_mode="hfsdp"``: parameters, gradients and optimizer state sharded over both dims of a
 (replicate, shard) mesh, gathered and reduced in two levels.
 
-[Note: two-level gathers]).
-
-A new mode is a subclass here (its checks at ``fully_shard``, its gather input, what it keeps),
-its entry in ``MODES``, and its tests (CONTRIBUTING.md, "Adding a memory mode").
-
-[Note: parameters kept gathered between steps]
-zero2's reshard registers the sharded parameters as always, so that between steps the module
-holds what the optimizer and the state dict see, but keeps the gathered copy. The next unshard
-registers that copy again without an all-gather while it is current: while no rank's shard
-changed since its gather (``KeptCopy``, [Note: when a kept copy is current] in kept.py: a key of
-optimizer steps and version counters first, then the shards' bytes, agreed by every rank). A
-re-pack or a freed buffer means gathering anew too. So K micro-batches of accumulation cost one
-all-gather per step, the first forward's after the optimizer step, and no write to the shards
-is ever trained on stale.
-
 [Note: two-level gathers]
 hfsdp on a (replicate R, shard S) mesh shards the parameters over all R x S ranks, so the
 optimizer steps 1/(R S) of each, and the gradients reach their shards by two reduce-scatters,
 over the shard dim, then over the replicate dim, HSDP's sums in HSDP's order
-(``GradientReducer._in_levels``). The gather goes in two levels: over the replicate dim, this
+(``reduce_scatter_in_levels`` below). The gather goes in two levels: over the replicate dim, this
 rank's R peers' shards make its shard rank's 1/S, kept from one step to the next like zero2's
 copy, under the same key; then over the shard dim, at every use, as HSDP gathers. DTensor nests
 ``Shard`` over (R, S) in that order, so rank (r, s) holds chunk ``r * S + s``: the second

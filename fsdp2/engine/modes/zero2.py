@@ -1,8 +1,14 @@
 """``memory_mode="zero2"``: the gathered parameters kept between optimizer steps.
 
-[Note: parameters kept gathered between steps]).
-- ``HFSDP`` (``memory_mode="hfsdp"``): gathers and reduces in two levels
-  (
+[Note: parameters kept gathered between steps]
+zero2's reshard registers the sharded parameters as always, so that between steps the module
+holds what the optimizer and the state dict see, but keeps the gathered copy. The next unshard
+registers that copy again without an all-gather while it is current: while no rank's shard
+changed since its gather (``KeptCopy``, [Note: when a kept copy is current] in kept.py: a key of
+optimizer steps and version counters first, then the shards' bytes, agreed by every rank). A
+re-pack or a freed buffer means gathering anew too. So K micro-batches of accumulation cost one
+all-gather per step, the first forward's after the optimizer step, and no write to the shards
+is ever trained on stale.
 """
 
 from __future__ import annotations
