@@ -182,8 +182,11 @@ class FSDPParamGroup:
         self.mode = mode
 
     def reshard_fully(self) -> None:
-        """``set_reshard_after_forward(bool)``: no k-rank block after forward from now on."""
-        self.set_mode(self.mode.fully_resharding())
+        """``set_reshard_after_forward(bool)``: no k-rank block after forward from now on (any
+        other mode, and what it keeps, stays as it is)."""
+        mode = self.mode.fully_resharding()
+        if mode is not self.mode:
+            self.set_mode(mode)
 
     def still_gathered(self) -> bool:
         """Whether the kept gathered copy is current: unsharding needs no collective."""

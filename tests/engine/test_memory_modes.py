@@ -279,6 +279,23 @@ def test_explicit_reshard_frees_the_kept_copy() -> None:
     assert before > 0 and after == 0
 
 
+def _gathers_after_a_bool_reshard_setting() -> int:
+    model, _ = twins("gpt")
+    shard_model(model, "gpt", memory_mode="zero2")
+    batch = local_batch("gpt", 0, 0, dist.get_rank(), dist.get_world_size())
+    model(*batch).backward()
+    model.set_reshard_after_forward(False)  # a bool: it replaces an int k, keeps the kept copy
+    with record_collectives() as records:
+        model(*batch).backward()
+    return sum(r.kind == "all_gather" for r in records)
+
+
+def test_a_bool_reshard_setting_keeps_zero2s_copy() -> None:
+    """``set_reshard_after_forward(bool)`` drops a reshard-to-k mode, and nothing else: zero2's
+    copy, gathered at the first forward and current, serves the next forward without a gather."""
+    assert run_on_ranks(2, _gathers_after_a_bool_reshard_setting) == [0, 0]
+
+
 @pytest.mark.parametrize("bf16", [False, True])
 def test_hfsdp_trains_as_hsdp(bf16: bool) -> None:
     """hfsdp lays parameters, gradients and optimizer state out as zero3 over the flattened
