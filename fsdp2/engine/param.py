@@ -364,6 +364,22 @@ class FSDPParam:
             self.chunk.local_shape
         )
 
+    def current_piece(self) -> torch.Tensor:
+        """The parameter's current values in the shape its layout works on: under tensor
+        parallelism this rank's piece (what ``fully_shard`` reads from a DTensor parameter),
+        not the whole tensor. Every rank of the shard group calls it (a collective)."""
+        sharded = self.sharded_param.detach()
+        if sharded.device.type == "meta":
+            return torch.empty(self.shape, dtype=self.dtype, device="meta")
+        full: torch.Tensor = sharded.full_tensor()  # type: ignore[attr-defined]
+        spec = self.outer_spec
+        if spec is None:
+            return full
+        # Replicate to the parameter's own placements: a local cut, no collective.
+        whole = DTensor.from_local(full, spec.mesh, [Replicate()] * spec.mesh.ndim, run_check=False)
+        piece: torch.Tensor = whole.redistribute(spec.mesh, spec.placements).to_local()
+        return piece
+
     def in_buffer(self) -> bool:
         """Whether the sharded parameter's local tensor is still the one ``init_sharded`` made
         (and not one ``module.to(...)``, ``to_empty`` or ``load_state_dict(assign=True)`` put in

@@ -253,18 +253,15 @@ class FSDPParamGroup:
     def remove(self, fsdp_param: FSDPParam) -> torch.Tensor:
         """Take ``fsdp_param`` out of this group (a tied weight that a later ``fully_shard``
         call met: its common ancestor's group manages it, api.py) and re-pack the others into
-        fresh buffers. Returns its full tensor, for the group that takes it: every rank of the
-        group calls this at the same ``fully_shard`` call (the gather is a collective)."""
+        fresh buffers. Returns its current values (``FSDPParam.current_piece``), for the group that
+        takes it: every rank of the group calls this at the same ``fully_shard`` call (the
+        gather is a collective)."""
         if self.state is not ShardedState.SHARDED or self.reducer.has_unreduced_grads():
             raise AssertionError(
                 f"remove from group {self.label!r}: expected a sharded group with no gradient "
                 f"pending, found {self.state.name}"
             )
-        sharded = fsdp_param.sharded_param
-        if sharded.device.type == "meta":
-            full = torch.empty(sharded.shape, dtype=sharded.dtype, device="meta")
-        else:
-            full = sharded.detach().full_tensor()  # type: ignore[attr-defined]
+        full = fsdp_param.current_piece()
         rest = [p for p in self.fsdp_params if p is not fsdp_param]
         layout = FlatLayout(
             rest,
