@@ -24,9 +24,12 @@ from trails import GRAD_SET, Trail, cut, grad_trails, measure
 # Issue 41's targets: backward_to_issue ≤ 6, issue_to_grad ≤ 4, forward_to_gather ≤ 6. The
 # uncoalesced gather now asks the group's mode for its input (engine/modes/base.py): one file more
 # on two trails than before the modes (16, 11), until the seam's and the group's files merge.
+# Coalesced gathers and reduce-scatters cut their buckets by the rule the full-weights stream and
+# the planner share (engine/buckets.py, issue 41's "one bucketing"): one file more on the two
+# coalesced trails that form a bucket (16, 11 before).
 MAX_FILES = {
     False: {"backward_to_issue": 17, "issue_to_grad": 13, "forward_to_gather": 12},
-    True: {"backward_to_issue": 16, "issue_to_grad": 11, "forward_to_gather": 11},
+    True: {"backward_to_issue": 17, "issue_to_grad": 11, "forward_to_gather": 12},
 }
 # Where each trail must end: the seam's function that issued the collective, or the .grad set
 # (the sharded parameter's post-accumulate-grad hooks, which engine/grads.py runs).

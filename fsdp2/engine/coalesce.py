@@ -13,10 +13,11 @@ brought, so parameters, gradients and every later number are bitwise those of co
 The bucket grows while its groups' shards fit in the fixed send size, and stops at the first
 group that cannot join: another process group, device or gather dtype, a custom all-gather, CPU
 offload, ``reshard_after_forward=k``, all-gather extensions, one rank, a group already gathered
-or under way, or one that did not run in the last forward. Nothing coalesces while any state has
-explicit prefetch targets (``set_modules_to_*_prefetch``): the user chose the order. The budget
-is ``DEFAULT_COALESCE_BYTES`` unless ``FSDP2_COALESCE_BYTES`` or :func:`set_coalesce_bytes`
-(``fsdp2.set_coalesce_bytes``) says otherwise; 0 turns it off.
+or under way, or one that did not run in the last forward (the rule the reduce-scatters, the
+full-weights stream and the planner cut by too: [Note: one bucketing] in buckets.py). Nothing
+coalesces while any state has explicit prefetch targets (``set_modules_to_*_prefetch``): the
+user chose the order. The budget is ``DEFAULT_COALESCE_BYTES`` unless ``FSDP2_COALESCE_BYTES``
+or :func:`set_coalesce_bytes` (``fsdp2.set_coalesce_bytes``) says otherwise; 0 turns it off.
 
 Ranks that run different modules (a user's rank-dependent control flow, which the hang report
 exists to name) form different buckets: no rule made from one rank's own facts can prevent it,
@@ -53,12 +54,13 @@ reduce-scatters] in coalesce_reduce.py.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 
 import torch
 
 from fsdp2.debug.checks import CollectiveMismatchError
+from fsdp2.engine.buckets import Run, fill, fixed_size
 from fsdp2.engine.changes import take_up_changes
 from fsdp2.engine.collectives import all_gather, defer_check
 from fsdp2.engine.param_group import (
@@ -154,14 +156,6 @@ def _joinable(group: FSDPParamGroup) -> bool:
     )
 
 
-def _compatible(first: FSDPParamGroup, other: FSDPParamGroup) -> bool:
-    return (
-        other.info.shard_group is first.info.shard_group
-        and other.layout.param_dtype == first.layout.param_dtype
-        and other.layout.device == first.layout.device
-    )
-
-
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
@@ -176,14 +170,18 @@ def fixed_send_bytes(sends: list[int], budget: int, world: int) -> int:
     """The rule of ``Gathers.per_rank_bytes``, on sizes alone (the planner replays it): each of the
     root's groups sends ``sends[i]`` aligned bytes; the budget's share per rank, or the header and
     every send that fits the share, if less."""
-    share = (budget // world) // ALIGN * ALIGN
-    header = header_bytes(len(sends))
-    return min(share, header + sum(n for n in sends if header + n <= share))
+    return fixed_size(sends, header_bytes(len(sends)), (budget // world) // ALIGN * ALIGN)
 
 
 def _send_bytes(group: FSDPParamGroup) -> int:
     """This rank's part of ``group``'s gather, aligned so that the next one starts aligned."""
-    return _aligned(group.layout.plain_numel * group.layout.param_dtype.itemsize)
+    return _aligned(group.layout.send_bytes)
+
+
+def _key(group: FSDPParamGroup) -> tuple[object, ...]:
+    """What the groups of one coalesced gather share (the planner's ``gather_key``)."""
+    layout = group.layout
+    return (id(group.info.shard_group), layout.param_dtype, layout.device)
 
 
 class SharedOutput:
@@ -254,31 +252,37 @@ class Gathers:
         if not budget or not _joinable(group):
             return False
         per_rank = self.per_rank_bytes(budget, group.shard_size)
-        capacity = per_rank - header_bytes(len(self.groups))
-        if _send_bytes(group) > capacity:
+        bucket: Run[FSDPParamGroup] = Run(per_rank - header_bytes(len(self.groups)))
+        rest = _after(group, order, iteration, backward)
+        if not fill(bucket, group, _send_bytes(group), _key(group), rest):
             return False
-        bucket, total = [group], _send_bytes(group)
-        index, step = group.order_index, -1 if backward else 1
-        # Not in the last forward's order (the first iteration, or it did not run): alone.
-        i = index + step if index < len(order) and order[index] is group else -1
-        while 0 <= i < len(order):
-            other = order[i]
-            if not backward and other.seen_in != iteration:
-                take_up_changes(other)  # what its own pre-forward would do first
-            # Forward: only groups still to run in this forward; backward: those that ran in it.
-            ran = other.seen_in == iteration
-            if ran != backward or not _joinable(other) or not _compatible(group, other):
-                break
-            if backward and not other.settings.unshard_in_backward:
-                break
-            size = _send_bytes(other)
-            if total + size > capacity:
-                break
-            bucket.append(other)
-            total += size
-            i += step
-        _issue(bucket, self.groups, self.positions, per_rank)
+        _issue(bucket.members, self.groups, self.positions, per_rank)
         return True
+
+
+def _after(
+    group: FSDPParamGroup, order: list[FSDPParamGroup], iteration: int, backward: bool
+) -> Iterator[tuple[FSDPParamGroup, int, object] | None]:
+    """The groups that may follow ``group`` into its bucket, in ``order`` (the last forward's;
+    ``backward``: walking back), lazily; ``None`` at the first that cannot join."""
+    index, step = group.order_index, -1 if backward else 1
+    # Not in the last forward's order (the first iteration, or it did not run): alone.
+    i = index + step if index < len(order) and order[index] is group else -1
+    while 0 <= i < len(order):
+        other = order[i]
+        if not backward and other.seen_in != iteration:
+            take_up_changes(other)  # what its own pre-forward would do first
+        # Forward: only groups still to run in this forward; backward: those that ran in it.
+        ran = other.seen_in == iteration
+        if (
+            ran != backward
+            or not _joinable(other)
+            or (backward and not other.settings.unshard_in_backward)
+        ):
+            yield None
+            return
+        yield other, _send_bytes(other), _key(other)
+        i += step
 
 
 def bucket_label(labels: list[str]) -> str:

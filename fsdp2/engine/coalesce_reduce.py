@@ -58,6 +58,7 @@ from functools import partial
 import torch
 
 from fsdp2.debug.checks import CollectiveMismatchError
+from fsdp2.engine.buckets import Run, fixed_size, hold
 from fsdp2.engine.coalesce import bucket_label, check_on_host, coalesce_bytes
 from fsdp2.engine.collectives import reduce_scatter
 from fsdp2.engine.grads import Reduced, hand_over
@@ -127,9 +128,13 @@ def fixed_row_bytes(
     a reduce dtype of ``itemsize`` bytes: the budget's share, or the header and every row of
     ``rows`` (the root's joinable groups, one rank's chunk each) that fits the share, if less.
     Made of facts every rank shares; the planner replays it."""
-    share = budget // world // itemsize * itemsize
-    header = num_groups * itemsize
-    return min(share, header + sum(r for r in rows if header + r <= share))
+    return fixed_size(rows, num_groups * itemsize, budget // world // itemsize * itemsize)
+
+
+def _key(reducer: GradientReducer) -> tuple[object, ...]:
+    """What the members of one coalesced reduce-scatter share (the planner's ``reduce_key``)."""
+    layout = reducer.layout
+    return (id(reducer.reduce_group()), layout.reduce_dtype, layout.device, reducer.sums())
 
 
 class Reductions:
@@ -142,10 +147,10 @@ class Reductions:
         self.groups = groups  # the root's: a bucket's header has one element per group
         self.in_flight: deque[PendingReduce | PendingBucket] = deque()
         self.reduced: list[Reduced] = []
-        self.members: list[tuple[GradientReducer, ReduceInput]] = []  # the held bucket
-        self.row_bytes = 0  # the members' rows
-        self.fixed = 0  # the bucket's row size, header included (fixed_row_bytes)
-        self.capacity = 0  # what the members' rows may fill of it
+        # The held bucket: its members' rows fill its capacity, the fixed row (fixed_row_bytes)
+        # less the header.
+        self.held: Run[tuple[GradientReducer, ReduceInput]] = Run()
+        self.fixed = 0
         # (budget, itemsize, world) -> (fixed, capacity), for this backward: the rows it is
         # made of are fixed once a forward took up its changes; computing them walks every group.
         self._sizes: dict[tuple[int, int, int], tuple[int, int]] = {}
@@ -157,15 +162,14 @@ class Reductions:
             self._add(reducer.reduce_grads(), max_in_flight)
             return
         joinable = bool(budget) and rs_joinable(reducer)
-        row = input_nbytes(reducer) // reducer.shard_size if joinable else 0
-        if self.members and not (
-            joinable and self._compatible(reducer) and self.row_bytes + row <= self.capacity
-        ):
-            self.flush(max_in_flight)
-        if joinable and not self.members:
-            self._size_bucket(reducer, budget)
-        if not joinable or row > self.capacity:  # alone, as without coalescing
+        if not joinable and not self.held.members:  # coalescing off, most often: hold's rule
             self._add(reducer.reduce_grads(), max_in_flight)
+            return
+        row = input_nbytes(reducer) // reducer.shard_size if joinable else None
+        key = _key(reducer) if joinable else None
+        flush, start = partial(self.flush, max_in_flight), partial(self._size, reducer, budget)
+        if not hold(self.held, row, key, flush, start) or row is None:
+            self._add(reducer.reduce_grads(), max_in_flight)  # alone, as without coalescing
             return
         built = reducer.build_input(always=True)
         if not isinstance(built, ReduceInput) or built.inp.nbytes != row * reducer.shard_size:
@@ -174,11 +178,10 @@ class Reductions:
                 f"{row * reducer.shard_size} bytes, found "
                 f"{built.inp.nbytes if isinstance(built, ReduceInput) else built}"
             )
-        self.members.append((reducer, built))
-        self.row_bytes += row
+        self.held.add((reducer, built), row, key)
 
-    def _size_bucket(self, reducer: GradientReducer, budget: int) -> None:
-        """The fixed row size and capacity of a bucket that ``reducer`` would start."""
+    def _size(self, reducer: GradientReducer, budget: int) -> int:
+        """The fixed row size of a bucket that ``reducer`` starts; its capacity, returned."""
         itemsize, world = reducer.layout.reduce_dtype.itemsize, reducer.shard_size
         key = (budget, itemsize, world)
         sized = self._sizes.get(key)
@@ -189,23 +192,14 @@ class Reductions:
             ]
             fixed = fixed_row_bytes(rows, len(groups), itemsize, budget, world)
             sized = self._sizes[key] = (fixed, fixed - len(groups) * itemsize)
-        self.fixed, self.capacity = sized
-
-    def _compatible(self, reducer: GradientReducer) -> bool:
-        first = self.members[0][0]
-        return (
-            reducer.reduce_group() is first.reduce_group()
-            and reducer.layout.reduce_dtype == first.layout.reduce_dtype
-            and reducer.layout.device == first.layout.device
-            and reducer.sums() == first.sums()
-        )
+        self.fixed, capacity = sized
+        return capacity
 
     def flush(self, max_in_flight: int) -> None:
         """Issue the held bucket, if any, as one reduce-scatter of the fixed size (a bucket of
         one too: see [Note: coalesced reduce-scatters])."""
-        members, self.members, self.row_bytes = self.members, [], 0
-        if members:
-            self._add(_issue(members, self.groups, self.fixed), max_in_flight)
+        if self.held.members:
+            self._add(_issue(self.held.take(), self.groups, self.fixed), max_in_flight)
 
     def _add(self, reduce: PendingReduce | PendingBucket | None, max_in_flight: int) -> None:
         """Put ``reduce`` in flight, first finishing older ones beyond ``max_in_flight - 1``."""
@@ -237,7 +231,7 @@ class Reductions:
 
     def drop(self) -> None:
         """A reset: forget the held inputs, finish what is in flight, drop every reduced shard."""
-        self.members, self.row_bytes = [], 0
+        self.held.take()
         while self.in_flight:
             self.in_flight.popleft().finish()
         self.reduced = []

@@ -153,6 +153,11 @@ class FlatLayout:
         for fsdp_param in self.plain_params:
             fsdp_param.init_unsharded(self.unsharded_flat, shard_size)
 
+    @property
+    def send_bytes(self) -> int:
+        """What this rank sends in a gather of the group (a mixed group gathers bytes)."""
+        return self.plain_numel * self.param_dtype.itemsize
+
     def set_dtypes(self) -> None:
         """Each parameter's gather dtype, the group's buffer and reduce dtypes, and the chunks'
         offsets in those buffers (elements of the one dtype, or bytes: [Note: mixed dtypes])."""

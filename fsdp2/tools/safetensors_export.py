@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from fsdp2.engine.buckets import cut
 from fsdp2.tools.full_weights import walk
 from fsdp2.tools.weight_plan import Bucket, WeightItem, plan_buckets
 
@@ -144,12 +145,8 @@ def _write(
 
 def _cut_files(items: list[WeightItem], limit: int) -> list[_File]:
     """Hugging Face's cut: in order, a new file when the next tensor would pass ``limit``."""
-    files: list[_File] = []
-    for item in items:
-        if not files or (files[-1].items and files[-1].nbytes + item.nbytes > limit):
-            files.append(_File(""))
-        files[-1].items.append(item)
-        files[-1].nbytes += item.nbytes
+    runs = cut(items, lambda i: i.nbytes, limit)
+    files = [_File("", run, sum(item.nbytes for item in run)) for run in runs]
     if len(files) == 1:
         files[0].name = _SINGLE_NAME
     for k, file in enumerate(files if len(files) > 1 else []):

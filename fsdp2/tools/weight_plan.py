@@ -30,6 +30,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp2.debug.waiting import is_gloo
+from fsdp2.engine.buckets import cut
 from fsdp2.engine.mesh import device_of
 from fsdp2.engine.param import FSDPParam
 from fsdp2.engine.param_group import FSDPParamGroup
@@ -113,14 +114,6 @@ class Bucket:
         self.items.append(item)
         self.nbytes += item.nbytes
 
-    def takes(self, item: WeightItem, bucket_bytes: int) -> bool:
-        """Whether ``item`` joins this bucket: it fits, and a gathered one shares its group."""
-        if self.items and self.nbytes + item.nbytes > bucket_bytes:
-            return False
-        if not item.gathered or self.group is None or item.group is None:
-            return True
-        return item.group.info.shard_group is self.group and item.group.layout.device == self.device
-
     def segments(self, gathered: torch.Tensor) -> list[torch.Tensor]:
         """The gathered buffer's segments, in order: the headers', then each gathered item's."""
         if self.group is None:
@@ -145,12 +138,21 @@ def plan_buckets(
     items = _items(module, dtype, buffers)
     if bucket_bytes is None:
         bucket_bytes = _default_bucket_bytes(items)
-    buckets: list[Bucket] = []
-    for item in items:
-        if not buckets or not buckets[-1].takes(item, bucket_bytes):
-            buckets.append(Bucket(len(buckets)))
-        buckets[-1].add(item)
+    buckets = []
+    for index, run in enumerate(cut(items, lambda i: i.nbytes, bucket_bytes, _gathered_over)):
+        bucket = Bucket(index)
+        for item in run:
+            bucket.add(item)
+        buckets.append(bucket)
     return buckets
+
+
+def _gathered_over(item: WeightItem) -> object:
+    """What the gathered items of one bucket share: a shard group and device (``None``: an item
+    not gathered rides along in any bucket)."""
+    if not item.gathered or item.group is None:
+        return None
+    return (id(item.group.info.shard_group), item.group.layout.device)
 
 
 def _items(module: nn.Module, dtype: torch.dtype | None, buffers: bool) -> list[WeightItem]:

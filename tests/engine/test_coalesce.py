@@ -326,9 +326,9 @@ def _held_reduce_bytes(budget: int) -> dict[str, int]:
     peak = {"bytes": 0, "members": 0}
 
     def measure(self: Any) -> None:
-        nbytes = sum(b.inp.untyped_storage().nbytes() for _, b in self.members)
+        nbytes = sum(b.inp.untyped_storage().nbytes() for _, b in self.held.members)
         peak["bytes"] = max(peak["bytes"], nbytes)
-        peak["members"] = max(peak["members"], len(self.members))
+        peak["members"] = max(peak["members"], len(self.held.members))
 
     def reduce(self: Any, *args: Any, **kwargs: Any) -> None:
         real_reduce(self, *args, **kwargs)

@@ -25,7 +25,6 @@ __all__ = [
     "KeptPlan",
     "Mode",
     "Zero3",
-    "send_bytes",
     "shard_key",
     "snapshot_bytes",
 ]
@@ -155,11 +154,6 @@ class Mode:
 
 class Zero3(Mode):
     """Shards between uses; every gather is over the shard dim."""
-
-
-def send_bytes(layout: FlatLayout) -> int:
-    """What this rank sends in a gather of ``layout`` (a mixed-dtype group gathers bytes)."""
-    return layout.plain_numel * (1 if layout.mixed else layout.param_dtype.itemsize)
 
 
 def snapshot_bytes(layout: FlatLayout) -> int:

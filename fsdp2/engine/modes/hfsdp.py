@@ -29,7 +29,6 @@ from fsdp2.engine.modes.base import (
     GatherInput,
     KeptPlan,
     Mode,
-    send_bytes,
     shard_key,
     snapshot_bytes,
 )
@@ -123,7 +122,7 @@ class HFSDP(Mode):
     def plan(self, layout: FlatLayout, shard_size: int) -> KeptPlan:
         if shard_size == 1:
             return KeptPlan()
-        replicas, send = self.levels[0].size(), send_bytes(layout)
+        replicas, send = self.levels[0].size(), layout.send_bytes
         return KeptPlan(
             kept_bytes=replicas * send + snapshot_bytes(layout),
             replica_world=replicas,

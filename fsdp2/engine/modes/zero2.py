@@ -16,7 +16,7 @@ from __future__ import annotations
 from fsdp2.engine.kept import KeptCopy
 from fsdp2.engine.layout import FlatLayout
 from fsdp2.engine.mesh import MeshInfo
-from fsdp2.engine.modes.base import KeptPlan, Mode, send_bytes, shard_key, snapshot_bytes
+from fsdp2.engine.modes.base import KeptPlan, Mode, shard_key, snapshot_bytes
 from fsdp2.engine.steps import watch_optimizer_steps
 
 __all__ = ["Zero2"]
@@ -86,4 +86,4 @@ class Zero2(Mode):
     def plan(self, layout: FlatLayout, shard_size: int) -> KeptPlan:
         if layout.alias:
             return KeptPlan()
-        return KeptPlan(kept_bytes=shard_size * send_bytes(layout) + snapshot_bytes(layout))
+        return KeptPlan(kept_bytes=shard_size * layout.send_bytes + snapshot_bytes(layout))

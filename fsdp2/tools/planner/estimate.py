@@ -27,10 +27,13 @@ parameter-shard-sized buffers), caching-allocator fragmentation, extension (floa
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
+from fsdp2.engine.buckets import Run, fill, hold
 from fsdp2.engine.coalesce import ALIGN, bucket_label, fixed_send_bytes, header_bytes
 from fsdp2.engine.coalesce_reduce import fixed_row_bytes
 from fsdp2.tools.planner.groups import GroupFacts
@@ -47,6 +50,11 @@ class Collective:
     input_nbytes: int
     output_nbytes: int
     world_size: int
+
+
+def _gkey(g: GroupFacts) -> tuple[object, ...]:
+    """What the groups of one coalesced gather share (the engine's ``coalesce._key``)."""
+    return (g.gather_key, g.param_dtype)
 
 
 def collectives(groups: list[GroupFacts], prefetch: bool, budget: int = 0) -> list[Collective]:
@@ -104,9 +112,8 @@ class Schedule:
         self.reduce_before = [0] * n
         self.reduce_concat = [0] * n  # a held bucket issued at its reduction: the concatenation
         self._last_reduce = 0  # those alive after the last one: held, or issued alone
-        self.held: list[int] = []
-        self._rs_fixed = 0  # the held reduce-scatter bucket's fixed row bytes
-        self._rs_capacity = 0
+        self.held: Run[int] = Run()  # the held reduce-scatter bucket
+        self._rs_fixed = 0  # its fixed row bytes
         self._forward()
         self._backward()
 
@@ -145,7 +152,7 @@ class Schedule:
                         self._gather(before, backward=True)
             if g.num_trainable and g.shard_world > 1:
                 self._reduce(i)
-            elif not self.held:
+            elif not self.held.members:
                 self._last_reduce = 0  # the one before it was finished as it ran
             if g.num_trainable and g.replicate_world:  # HSDP all-reduces even over one replica
                 nbytes = g.reduce_out_bytes
@@ -163,24 +170,10 @@ class Schedule:
         before it)."""
         groups, limit = self.groups, self._capacity(self.groups[i])
         g = groups[i]
-        bucket, used = [i], self._size(g)
-        joins = bool(limit) and g.gather_joinable and used <= limit
-        step = -1 if backward else 1
-        j = i + step
-        while joins and 0 <= j < len(groups):
-            other = groups[j]
-            if (
-                self.gathered[j]
-                or not other.gather_joinable
-                or other.gather_key != g.gather_key
-                or other.param_dtype != g.param_dtype
-                or (backward and not self._regathers(j))
-                or used + self._size(other) > limit
-            ):
-                break
-            bucket.append(j)
-            used += self._size(other)
-            j += step
+        run: Run[int] = Run(limit)
+        rest = self._may_follow(i, backward)
+        joins = bool(limit) and g.gather_joinable and fill(run, i, self._size(g), _gkey(g), rest)
+        bucket = run.members if joins else [i]
         for k in bucket:
             self.gathered[k] = True
         members = [groups[k] for k in bucket]
@@ -206,6 +199,22 @@ class Schedule:
             for k in bucket:
                 self.forward_shared[k] = total
 
+    def _may_follow(self, i: int, backward: bool) -> Iterator[tuple[int, int, object] | None]:
+        """The groups that may join ``i``'s gather (forward: those after it; backward: before),
+        in order; ``None`` at the first that cannot (the engine's ``coalesce._after``)."""
+        step = -1 if backward else 1
+        j = i + step
+        while 0 <= j < len(self.groups):
+            other = self.groups[j]
+            if self.gathered[j] or not other.gather_joinable:
+                yield None
+                return
+            if backward and not self._regathers(j):
+                yield None
+                return
+            yield j, self._size(other), _gkey(other)
+            j += step
+
     def _per_rank(self, g: GroupFacts) -> int:
         """The engine's fixed send size of a coalesced gather over ``g``'s ranks: the budget's
         share, or what the root's groups that fit in it need (``coalesce.fixed_send_bytes``)."""
@@ -223,17 +232,20 @@ class Schedule:
 
     def _reduce(self, i: int) -> None:
         g = self.groups[i]
-        self.reduce_before[i] = sum(self._rs_bytes(k) for k in self.held) or self._last_reduce
+        held = self.held.members
+        self.reduce_before[i] = sum(self._rs_bytes(k) for k in held) or self._last_reduce
         joinable = bool(self.budget) and g.reduce_joinable and g.num_trainable > 0
-        if self.held and not self._joins_held(i, joinable):
+        size = g.reduce_out_bytes if joinable else None
+        key = (g.reduce_key, g.reduce_dtype, g.reduce_op)
+
+        def flush() -> None:
             # issuing copies the inputs into one of the fixed size, for a moment
-            self.reduce_concat[i] = self._rs_fixed * self.groups[self.held[0]].shard_world
+            self.reduce_concat[i] = self._rs_fixed * self.groups[held[0]].shard_world
             self._issue_held()
-        if joinable and not self.held:
-            self._size_bucket(g)
-        if joinable and g.reduce_out_bytes <= self._rs_capacity:
-            self.held.append(i)
-            self._last_reduce = sum(self._rs_bytes(k) for k in self.held)
+
+        if hold(self.held, size, key, flush, partial(self._size_bucket, g)) and size is not None:
+            self.held.add(i, size, key)
+            self._last_reduce = sum(self._rs_bytes(k) for k in self.held.members)
         elif levels := _reduce_levels(g):  # hfsdp: the shard dim's, then the replicate dim's
             replicas, shards = levels
             middle = g.reduce_in_bytes // shards
@@ -262,32 +274,20 @@ class Schedule:
             return g.reduce_in_bytes // levels[1] + g.reduce_out_bytes
         return g.reduce_in_bytes + g.reduce_out_bytes
 
-    def _size_bucket(self, g: GroupFacts) -> None:
+    def _size_bucket(self, g: GroupFacts) -> int:
         """The engine's fixed row size (``coalesce_reduce.fixed_row_bytes``) of a reduce-scatter
-        bucket ``g`` starts, and what its members' rows may fill of it (less the header)."""
-        itemsize = getattr(torch, g.reduce_dtype).itemsize
+        bucket ``g`` starts; returned, what its members' rows may fill of it (less the header)."""
+        itemsize: int = getattr(torch, g.reduce_dtype).itemsize
         rows = [m.reduce_out_bytes for m in self.groups if m.reduce_joinable and m.num_trainable]
         n = len(self.groups)
         self._rs_fixed = fixed_row_bytes(rows, n, itemsize, self.budget, g.shard_world)
-        self._rs_capacity = self._rs_fixed - n * itemsize
-
-    def _joins_held(self, i: int, joinable: bool) -> bool:
-        g, first = self.groups[i], self.groups[self.held[0]]
-        total = sum(self.groups[k].reduce_out_bytes for k in self.held) + g.reduce_out_bytes
-        return (
-            joinable
-            and g.reduce_key == first.reduce_key
-            and g.reduce_dtype == first.reduce_dtype
-            and g.reduce_op == first.reduce_op
-            and total <= self._rs_capacity
-        )
+        return self._rs_fixed - n * itemsize
 
     def _issue_held(self) -> None:
         """One reduce-scatter of the fixed size, for a bucket of one too."""
-        if not self.held:
+        members = [self.groups[k] for k in self.held.take()]
+        if not members:
             return
-        members = [self.groups[k] for k in self.held]
-        self.held = []
         world = members[0].shard_world
         self.out.append(
             Collective(

@@ -138,7 +138,6 @@ def _facts(group: FSDPParamGroup, label: str, is_root: bool, reshard: bool) -> G
     world = group.shard_size
     replicas = group.info.replicate_size if group.info.replicate_group is not None else 0
     unit = group.layout.sharded_flat.element_size()  # 1 for a mixed-dtype group's byte buffers
-    gather_unit = 1 if group.layout.mixed else group.layout.param_dtype.itemsize
     reduce_unit = group.layout.reduce_dtype.itemsize
     trainable = group.layout.trainable
     chunk_numel = sum(p.chunk.numel for p in trainable)
@@ -172,8 +171,8 @@ def _facts(group: FSDPParamGroup, label: str, is_root: bool, reshard: bool) -> G
         sharded_bytes=group.layout.shard_numel * unit,
         param_bytes=sum(p.chunk.local_numel * p.dtype.itemsize for p in group.fsdp_params),
         param_last_bytes=sum(_last_rank_bytes(p, world, p.dtype) for p in group.fsdp_params),
-        unsharded_bytes=0 if group.layout.alias else world * group.layout.plain_numel * gather_unit,
-        gather_in_bytes=group.layout.plain_numel * gather_unit,
+        unsharded_bytes=0 if group.layout.alias else world * group.layout.send_bytes,
+        gather_in_bytes=group.layout.send_bytes,
         grad_bytes=grad_bytes,
         grad_flag_bytes=flag_bytes,
         grad_real_bytes=sum(p.chunk.local_numel * p.sharded_grad_dtype.itemsize for p in trainable),
