@@ -62,8 +62,9 @@ CASES: dict[str, dict[tuple[int, int, int], str]] = {
     "healthy": {},
     "kills": {(1, 1, 0): "2:backward", (1, 0, 1): "4:forward"},
 }
-# A run takes ~15-35 s on 2 idle cores (4 ranks starting, 2 restarts); the bound leaves room for
-# a busy machine. A failing run stops as soon as a group fails more than planned.
+# Seen on 2 cores (fsdp2 and torch side by side, mostly importing torch in 4-8 processes): ~25 s
+# for a healthy run and ~50 s for the kills at load 5, ~55 s and ~110 s at load 40. A failing
+# run stops as soon as a group fails more than planned.
 TIMEOUT_S = 240
 
 Runs = Callable[[str, str], dict[str, Outcome]]
@@ -175,18 +176,18 @@ def test_sync_quorum_kills_change_nothing_committed(runs: Runs, impl: str) -> No
 
 ASYNC_FAILS = {
     "fsdp2": (
-        "issue 42: torchft's quorum thread calls get_state_dict(model, optimizer) for the step-0 "
-        "heal (init_sync) while the training thread is inside the forward with block 1 "
-        "unsharded: the state-dict hooks reshard it, and the forward dies with `aten.addmm."
-        "default got mixed torch.Tensor and DTensor`, or get_state_dict itself raises KeyError "
-        "in _get_optim_state_dict (the unsharded parameters are not the optimizer's), which "
-        "torchft logs as 'got exception in recovery' and the healing peer then fails"
+        "issue 42: for the heal at step 0 (torchft's init_sync) torchft calls get_state_dict("
+        "model, optimizer) on its quorum thread while the training thread is inside the forward "
+        "with block 1 unsharded; fsdp2's state-dict pre-hook (engine/state_dict.py, before_save) "
+        "reshards block 1 from the quorum thread, and the sending rank's forward dies in "
+        "block 1's Linear with `aten.addmm.default got mixed torch.Tensor and DTensor`; its "
+        "peers then fail on closed connections"
     ),
     "torch": (
-        "torch's fully_shard swaps the sharded parameters in for a state dict: the quorum "
-        "thread's get_state_dict during the forward leaves block 1 with DTensor parameters and "
-        "the forward dies with `aten.addmm.default got mixed torch.Tensor and DTensor` (the "
-        "asynchronous quorum is torch's limitation too: torchtitan #4753)"
+        "torch's fully_shard too: its state-dict pre-hook puts the sharded parameters back on "
+        "block 1 from the quorum thread, and the sending rank's forward dies with `aten.addmm."
+        "default got mixed torch.Tensor and DTensor` (torch's own limitation, torchtitan #4753: "
+        "expected to stay)"
     ),
 }
 

@@ -1,6 +1,7 @@
 """One rank of a torchft replica group training a sharded MLP, as torchtitan's fault-tolerant
-trainer sets it up; started by ``test_torchft.py``, which plays torchrun's part (it starts the
-two ranks of a group and, when one dies, stops the other and starts both again).
+trainer sets it up; started by ``torchft_agent.py`` (for ``test_torchft.py``), which plays
+torchrun's part: it starts the two ranks of a group and, when one dies, stops the other and
+starts both again.
 
 Each replica group shards the model over its own 2 ranks (``fully_shard`` on each block and on
 the root, the default process group of the group); the groups average their reduced gradients
@@ -11,7 +12,8 @@ A group that (re)starts behind the others heals from a peer: torchft fetches the
 
 The data depend only on (group, rank, committed step), so a step that is not committed (a peer
 died during it) is taken again with the same batch, and every committed step of every run,
-whatever failed in it, trains on the same numbers.
+whatever failed in it, trains on the same numbers. The forward waits for the quorum halfway
+([Note: a forward that outlasts the quorum]).
 
 Environment (as torchrun sets it): ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
 ``TORCHELASTIC_RESTART_COUNT``; ``TORCHFT_LIGHTHOUSE``: the Lighthouse's address.
@@ -26,8 +28,9 @@ Written to ``<out>/g<group>r<rank>.jsonl``, one JSON object a line, parsed by th
     {"event": "done", "attempt": a, "weights": path}
         the full parameters (``full_tensor()``, fp32) saved with ``torch.save`` at ``path``
 
-``--die-at STEP:WHERE`` makes the rank send itself SIGKILL (``kill -9``) at training step STEP: ``forward`` (after the forward, before the backward) or ``backward`` (in the
-all-reduce hook of the first reduced group, its peers waiting in collectives).
+``--die-at STEP:WHERE`` makes the rank send itself SIGKILL (``kill -9``) at training step STEP:
+``forward`` (after the forward, before the backward) or ``backward`` (in the all-reduce hook of
+the first reduced group, its peers waiting in collectives).
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ import json
 import os
 import signal
 import sys
+import threading
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -97,35 +102,62 @@ def shard(model: nn.Module, impl: str) -> type:
     return FSDPModule
 
 
-def make_manager(args: argparse.Namespace, model: nn.Module, inner: Any, healed: list) -> Any:
+@dataclass
+class StepState:
+    """What happened in the current training step, across the training and quorum threads."""
+
+    healed: bool = False  # this rank loaded a peer's state
+    reduced: bool = False  # an all-reduce hook ran
+    in_forward: threading.Event = field(default_factory=threading.Event)  # the forward waits
+
+    def new_step(self) -> None:
+        self.healed = self.reduced = False
+        self.in_forward.clear()
+
+
+def make_manager(args: argparse.Namespace, model: nn.Module, inner: Any, now: StepState) -> Any:
     """A torchft ``Manager`` for this group: the state a peer heals from is
     ``get_state_dict(model, optimizer)`` (torchtitan's shape of it), loaded with
-    ``set_state_dict``; ``healed`` gets an entry each time this rank loads one."""
+    ``set_state_dict``.
+
+    [Note: a forward that outlasts the quorum] With the asynchronous quorum, torchft takes the
+    state for a peer's heal on its quorum thread while this rank trains; for a model whose
+    forward is longer than a quorum that is inside the forward. This MLP's forward takes a
+    millisecond, so the runner makes it so: the state is taken once the training thread is
+    inside the forward (``now.in_forward``), and the forward waits there for the quorum. Where
+    the state is taken is then the same on every run. The synchronous quorum takes it before
+    the forward, with the training thread waiting: no wait."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torchft import Manager, ProcessGroupGloo
 
+    asynchronous = args.quorum == "async"
+
     def state_dict() -> dict[str, Any]:
+        if asynchronous and not now.in_forward.wait(timeout=60):
+            raise AssertionError("the training thread never reached the forward's wait")
         model_sd, optim_sd = get_state_dict(model, inner)
         return {"model": model_sd, "optim": optim_sd}
 
     def load_state_dict(sd: dict[str, Any]) -> None:
         set_state_dict(model, inner, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        healed.append(True)
+        now.healed = True
 
     return Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=10)),
         load_state_dict=load_state_dict,
         state_dict=state_dict,
         min_replica_size=2,  # a lone survivor waits in the quorum for its peer to come back
-        use_async_quorum=args.quorum == "async",
+        use_async_quorum=asynchronous,
         replica_id=f"torchft_run_{args.group}",
         timeout=timedelta(seconds=20),
-        quorum_timeout=timedelta(seconds=90),
+        # Longer than the test's bound on a run: a survivor waits for a slow restart (a busy
+        # machine: restarted ranks were seen taking over 90 s to import torch at load 40).
+        quorum_timeout=timedelta(seconds=300),
         connect_timeout=timedelta(seconds=10),
     )
 
 
-def hook_up(model: nn.Module, fsdp_module: type, manager: Any, die_at: Any, reduced: list) -> None:
+def hook_up(model: nn.Module, fsdp_module: type, manager: Any, die_at: Any, now: StepState) -> None:
     """The replica groups' gradient average (torchtitan's: ``set_all_reduce_hook`` on every
     FSDP module, ``all_reduce(AVG)`` over the ``ManagedProcessGroup``), the ``backward`` kill
     point, and the forward's wait for the quorum."""
@@ -135,9 +167,9 @@ def hook_up(model: nn.Module, fsdp_module: type, manager: Any, die_at: Any, redu
     replicate_pg.register("dp_replicate")
 
     def all_reduce_hook(grad: torch.Tensor) -> None:
-        if die_at == (manager.current_step(), "backward") and not reduced:
+        if die_at == (manager.current_step(), "backward") and not now.reduced:
             os.kill(os.getpid(), signal.SIGKILL)
-        reduced.append(True)
+        now.reduced = True
         dist.all_reduce(grad, group=replicate_pg, op=dist.ReduceOp.AVG)
 
     for module in model.modules():
@@ -145,9 +177,8 @@ def hook_up(model: nn.Module, fsdp_module: type, manager: Any, die_at: Any, redu
             module.set_all_reduce_hook(all_reduce_hook)
 
     def forward_outlasts_quorum(module: nn.Module, inputs: Any) -> None:
-        # A forward longer than the quorum, deterministically: with the asynchronous quorum,
-        # a peer's heal takes our state (quorum thread) while this thread is inside the forward.
-        # With the synchronous one the quorum is over before the forward: no wait.
+        # [Note: a forward that outlasts the quorum] (synchronous quorum: over already)
+        now.in_forward.set()
         manager.wait_quorum()
 
     # Registered after fully_shard's own hooks: the second block is unsharded when it runs.
@@ -176,15 +207,13 @@ def main() -> None:
     model = build_model()
     fsdp_module = shard(model, args.impl)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    healed: list[bool] = []
-    reduced: list[bool] = []
-    manager = make_manager(args, model, inner, healed)
+    now = StepState()
+    manager = make_manager(args, model, inner, now)
     optimizer = Optimizer(manager, inner)  # zero_grad starts the quorum, step commits
-    hook_up(model, fsdp_module, manager, die_at, reduced)
+    hook_up(model, fsdp_module, manager, die_at, now)
 
     while manager.current_step() < args.steps:
-        healed.clear()
-        reduced.clear()
+        now.new_step()
         optimizer.zero_grad()
         step = manager.current_step()
         x, y = batch(args.group, rank, step)
@@ -201,7 +230,7 @@ def main() -> None:
             step=step,
             loss=loss.item().hex(),
             committed=committed,
-            healed=bool(healed),
+            healed=now.healed,
         )
 
     weights = args.out / f"g{args.group}r{rank}.pt"
