@@ -273,7 +273,8 @@ def wait(work: dist.Work, event: Event, device: torch.device, phase: str = "") -
         work.wait()
         return
     state = event.rank
-    state.waiting = (event, time.time())
+    started = time.time()
+    state.waiting = (event, started)
     # A wait that ends in our error leaves the rank "blocked in" the collective for its peers'
     # reports: the group is unusable after it, and a peer whose deadline passes a moment later
     # reads the same line whether this rank has raised yet or not (its answer is fresh).
@@ -286,7 +287,8 @@ def wait(work: dist.Work, event: Event, device: torch.device, phase: str = "") -
         raise
     if not finished:
         state.publish()
-        raise CollectiveTimeoutError(_report(event, phase))  # asks the peers: fresh entries
+        # asks the peers: fresh entries
+        raise CollectiveTimeoutError(_report(event, phase, time.time() - started))
     state.waiting = None
 
 
@@ -504,10 +506,19 @@ def _where(event: Event, phase: str, own: str = "blocked in it") -> tuple[list[i
     return ranks, what, f"Where each rank is (from the c10d store):\n{lines}\n"
 
 
-def _report(event: Event, phase: str) -> str:
+def _report(event: Event, phase: str, waited: float | None = None) -> str:
+    """The hang report; ``waited``: how long the wait lasted, where the backend may have ended
+    it before fsdp2's deadline (a process group's own ``timeout=`` that is shorter)."""
     ranks, what, where = _where(event, phase)
+    limit = timeout_s()
+    how_long = f"{limit:g} s (FSDP2_COLLECTIVE_TIMEOUT)"
+    if waited is not None and waited < 0.95 * limit:  # not ours: the clocks differ slightly
+        how_long = (
+            f"{waited:.1f} s (the process group's own timeout ended the wait, before "
+            f"FSDP2_COLLECTIVE_TIMEOUT's {limit:g} s)"
+        )
     return (
-        f"fsdp2: rank {event.rank.rank} waited {timeout_s():g} s (FSDP2_COLLECTIVE_TIMEOUT) for "
+        f"fsdp2: rank {event.rank.rank} waited {how_long} for "
         f"{what} on the process group of ranks {ranks}, and it has not finished.\n{where}"
         "A rank MISSING from it skipped that module (control flow that depends on the rank or "
         "the data: MoE routing, a layer skipped for some inputs or shapes), raised, or never "

@@ -243,8 +243,10 @@ def _main() -> None:
     mode, *args = sys.argv[1:]
     if mode == "parity":
         _parity_main(*args)
+    elif mode == "short":  # plain gloo, its own timeout shorter than fsdp2's deadline
+        _hang_main("gloo", SHORT_HANG_TIMEOUT_S, SHORT_BACKEND_TIMEOUT_S)
     else:
-        _hang_main()
+        _hang_main(BACKEND, HANG_TIMEOUT_S, BACKEND_TIMEOUT_S)
     sys.stderr.flush()
     os._exit(0)  # skip interpreter teardown (gloo may abort in static destructors)
 
@@ -261,9 +263,10 @@ def _parity_main(impl: str, *models: str) -> None:
 
 
 HANG_TIMEOUT_S, BACKEND_TIMEOUT_S = 1.5, 8.0  # FSDP2_COLLECTIVE_TIMEOUT, the group's own
+SHORT_HANG_TIMEOUT_S, SHORT_BACKEND_TIMEOUT_S = 60.0, 3.0  # the group's own ends the wait first
 
 
-def _hang_main() -> None:
+def _hang_main(backend: str, hang_timeout_s: float, backend_timeout_s: float) -> None:
     import logging
     import time
 
@@ -271,8 +274,8 @@ def _hang_main() -> None:
     from tests.hang_scenarios import _step, build, outcome
 
     set_coalesce_bytes(0)  # the report pinned below names one group's gather
-    os.environ["FSDP2_COLLECTIVE_TIMEOUT"] = str(HANG_TIMEOUT_S)
-    dist.init_process_group(BACKEND, timeout=timedelta(seconds=BACKEND_TIMEOUT_S))
+    os.environ["FSDP2_COLLECTIVE_TIMEOUT"] = str(hang_timeout_s)
+    dist.init_process_group(backend, timeout=timedelta(seconds=backend_timeout_s))
     logged: list[tuple[float, str]] = []  # (when, message)
 
     class Keep(logging.Handler):
@@ -284,7 +287,7 @@ def _hang_main() -> None:
     model = build()
     _step(model, 0)
     if dist.get_rank() == 1:  # skips step 1, and stays (its connections open) past the timeout
-        time.sleep(BACKEND_TIMEOUT_S + 4)
+        time.sleep(backend_timeout_s + 4)
         return
     start = time.monotonic()
     text = outcome(lambda: _step(model, 1))
@@ -347,3 +350,22 @@ Where each rank is (from the c10d store):
   rank 1: MISSING, issued only #0-#16 on this group; not in an fsdp2 collective (busy elsewhere, finished or raised); last seen N s ago issuing reduce-scatter #16 for `<root>` (40 elements, float32) [published N s ago]
 Likely cause: the backend's own timeout passed (its works take no finite timeout, so FSDP2_COLLECTIVE_TIMEOUT could not end the wait sooner): a rank MISSING from this collective skipped that module, raised, or never started the step. The process group is unusable now: abort the job on every rank.""",
         )
+
+
+def test_a_shorter_process_group_timeout_is_not_reported_as_fsdp2s() -> None:
+    """gloo's own timeout (the process group's ``timeout=``, 3 s) ends the wait long before
+    FSDP2_COLLECTIVE_TIMEOUT (60 s): the report says how long it waited and what ended it (it
+    used to say "waited 60 s (FSDP2_COLLECTIVE_TIMEOUT)" after 3)."""
+    if IMPL_UNDER_TEST != "fsdp2":
+        pytest.skip("fsdp2's own report")
+    proc = launch(__file__, 2, "short", timeout=120)
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, proc.stdout + proc.stderr
+    (line,) = lines
+    assert line["seconds"] < SHORT_HANG_TIMEOUT_S / 2, line
+    assert line["seconds"] >= SHORT_BACKEND_TIMEOUT_S, line
+    first = line["outcome"].splitlines()[0]  # its times normalised to "N s"
+    assert first.startswith(
+        "CollectiveTimeoutError: fsdp2: rank 0 waited N s (the process group's own timeout "
+        "ended the wait, before FSDP2_COLLECTIVE_TIMEOUT's 60 s) for the all-gather #17"
+    ), first
