@@ -328,7 +328,7 @@ def _apply(
         STATES.attach(mod, state)
         register_torch_state(mod, state)
         for each in groups:
-            register_state_dict_hooks(mod, each)
+            register_state_dict_hooks(mod, state, each)
         mod.__class__ = _wrapped_class(type(mod), kind, prefix)
 
 

@@ -44,6 +44,7 @@ all-gathers per step instead of 14).
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 
@@ -95,6 +96,13 @@ class IterContext:
         # No state has explicit prefetch targets (set at each start_forward): gathers may be
         # coalesced, if coalescing is on ([Note: coalesced gathers]).
         self.coalesce_ok = False
+        # The thread that started the last forward: state taken from any other one is read
+        # without resharding or swapping what that thread uses ([Note: state from any thread]).
+        self.thread: int | None = None
+
+    def off_thread(self) -> bool:
+        """Whether the caller is a thread other than the one that started the last forward."""
+        return self.thread is not None and self.thread != threading.get_ident()
 
     def record(self, group: FSDPParamGroup) -> None:
         """Note that ``group`` runs now (its first call this iteration fixes its position)."""
@@ -164,6 +172,7 @@ class IterContext:
             self.post_optim_event.wait()
             self.post_optim_event = None
         self.iteration += 1
+        self.thread = threading.get_ident()
         self.recording = []
         self.training_forward = torch.is_grad_enabled()
         self.coalesce_ok = not explicit_prefetch

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NoReturn
 
 import torch.nn as nn
@@ -11,10 +11,10 @@ import torch.nn as nn
 from fsdp2.engine.changes import take_up_changes
 from fsdp2.engine.iteration import IterContext
 from fsdp2.engine.module_settings import GroupSettingsMethods
-from fsdp2.engine.param_group import FSDPParamGroup
+from fsdp2.engine.param_group import FSDPParamGroup, ShardedState
 from fsdp2.engine.registry import STATE_ATTR
 from fsdp2.engine.state import STATES, FSDPState, in_backward, state_of
-from fsdp2.engine.state_dict import check_state_dict
+from fsdp2.engine.state_dict import check_state_dict, taken_elsewhere
 from fsdp2.engine.traced import traced_forward
 
 __all__ = [
@@ -85,8 +85,25 @@ class FSDPModule(GroupSettingsMethods):
     ) -> Any:
         # nn.Module copies parameter by parameter and reports bad keys or shapes at the end;
         # check everything first so that a bad state dict leaves the model untouched.
+        if taken_elsewhere(self._get_fsdp_state()):
+            _refuse_mid_step(self._groups(recurse=True))
         check_state_dict(self, state_dict, strict)  # type: ignore[arg-type]
         return super().load_state_dict(state_dict, strict=strict, assign=assign)  # type: ignore[misc]
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        named = super().named_parameters(prefix, recurse, remove_duplicate)  # type: ignore[misc]
+        if not taken_elsewhere(self._get_fsdp_state()):
+            return named  # type: ignore[no-any-return]
+        # Another thread mid-step sees the sharded parameters, never the gathered tensors the
+        # training thread is using ([Note: state from any thread] in state_dict.py).
+        sharded = {
+            id(p.unsharded_param): p.sharded_param
+            for group in self._groups(recurse)
+            for p in group.fsdp_params
+        }
+        return ((name, sharded.get(id(param), param)) for name, param in named)
 
     def _get_fsdp_state(self) -> FSDPState:
         state: FSDPState = self.__dict__[STATE_ATTR]
@@ -232,6 +249,20 @@ class FSDPModule(GroupSettingsMethods):
             modules: ``FSDPModule``s to gather, in this order; ``[]`` prefetches nothing.
         """
         self._get_fsdp_state().set_prefetch(True, _groups_of(modules, "backward"))
+
+
+def _refuse_mid_step(groups: list[FSDPParamGroup]) -> None:
+    """A load from another thread than the training one, while some group is gathered for that
+    thread's forward or backward, would change parameters under a step in flight: refused before
+    anything is copied ([Note: state from any thread] in state_dict.py)."""
+    busy = [g.label for g in groups if g.state is not ShardedState.SHARDED]
+    if busy:
+        raise RuntimeError(
+            f"fsdp2: load_state_dict from another thread than the training one while "
+            f"{', '.join(busy)} {'is' if len(busy) == 1 else 'are'} gathered for its forward or "
+            "backward; nothing was loaded. Load between steps (after optimizer.step(), before "
+            "the next forward), or on the training thread"
+        )
 
 
 def _groups_of(modules: list[FSDPModule], direction: str) -> list[FSDPParamGroup]:

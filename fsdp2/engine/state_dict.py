@@ -6,6 +6,20 @@ parameter, a DTensor in the same layout (copied locally), a DTensor in another l
 another mesh (redistributed), or a plain full tensor (this rank's slice is taken, with no
 communication), whether the module is sharded or unsharded at the time.
 
+[Note: state from any thread]
+A thread other than the training one (torchft's quorum thread, a checkpointing or monitoring
+thread) may take the state while a forward or backward runs: the modules then hold gathered
+tensors, which the training thread is using. Such a taker must not reshard, nor swap what the
+modules hold. So ``state_dict()`` on another thread than the one that started the last forward
+(``IterContext.thread``) leaves the groups alone and puts each parameter's sharded DTensor in
+the state dict in place of whatever its module holds at the moment (``after_save``), and a
+fully-sharded module's ``named_parameters()`` yields the sharded parameters there too (what
+``get_state_dict`` maps the optimizer's state by). The values are the shards themselves, as on
+the training thread: those of the last completed optimizer step until the next step begins
+(nothing but an optimizer step, or a load, writes them). A taker that keeps them across a
+step copies them first, as ``dcp.async_save`` does, or holds the step (torchft's commit waits
+for its transfer).
+
 ``FSDPModule.load_state_dict`` checks the whole state dict against the module before
 ``nn.Module`` copies anything (:func:`check_state_dict`): ``nn.Module`` copies each parameter as
 it goes and reports bad keys and shapes only at the end, which would leave a model half loaded.
@@ -22,14 +36,23 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fsdp2.engine.param import FSDPParam
 from fsdp2.engine.param_group import FSDPParamGroup
+from fsdp2.engine.state import FSDPState
 
-__all__ = ["check_state_dict", "register_state_dict_hooks"]
+__all__ = ["check_state_dict", "register_state_dict_hooks", "taken_elsewhere"]
 
 
-def register_state_dict_hooks(module: nn.Module, group: FSDPParamGroup) -> None:
-    """Reshard ``group`` before ``module``'s state is read or written, turn the values offered to
-    ``load_state_dict`` into this rank's shards, and re-pack the group if loading with
-    ``assign=True`` replaced its parameters."""
+def taken_elsewhere(state: FSDPState) -> bool:
+    """Whether the state of ``state``'s modules is being taken from another thread than the one
+    training them ([Note: state from any thread])."""
+    ctx = state.ctx
+    return ctx is not None and ctx.off_thread()
+
+
+def register_state_dict_hooks(module: nn.Module, state: FSDPState, group: FSDPParamGroup) -> None:
+    """Reshard ``group`` before ``module``'s state is read or written (on another thread than the
+    training one: read the shards instead), turn the values offered to ``load_state_dict`` into
+    this rank's shards, and re-pack the group if loading with ``assign=True`` replaced its
+    parameters."""
     # Key of each parameter relative to ``module`` (a tied one has several), worked out when
     # loading: a tied weight may leave the group for a later call's (api.py).
     names = {id(m): n for n, m in module.named_modules()}
@@ -43,7 +66,19 @@ def register_state_dict_hooks(module: nn.Module, group: FSDPParamGroup) -> None:
         ]
 
     def before_save(_module: nn.Module, _prefix: str, _keep_vars: bool) -> None:
-        group.reshard()
+        if not taken_elsewhere(state):
+            group.reshard()
+
+    def after_save(_module: nn.Module, saved: dict[str, Any], prefix: str, *_args: Any) -> None:
+        if not taken_elsewhere(state):
+            return  # resharded before: the state dict already holds the shards
+        for key, fsdp_param in keys():
+            held = saved.get(prefix + key)
+            if held is not None:
+                sharded = fsdp_param.sharded_param  # keep_vars=True: the parameter itself
+                saved[prefix + key] = (
+                    sharded if isinstance(held, nn.Parameter) else sharded.detach()
+                )
 
     def before_load(
         _module: nn.Module, state_dict: dict[str, Any], prefix: str, *_args: Any
@@ -58,6 +93,7 @@ def register_state_dict_hooks(module: nn.Module, group: FSDPParamGroup) -> None:
         _adopt_assigned(group)
 
     module.register_state_dict_pre_hook(before_save)  # type: ignore[no-untyped-call]
+    module.register_state_dict_post_hook(after_save)  # type: ignore[no-untyped-call]
     module.register_load_state_dict_pre_hook(before_load)  # type: ignore[no-untyped-call]
     module.register_load_state_dict_post_hook(after_load)  # type: ignore[no-untyped-call]
 

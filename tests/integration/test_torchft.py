@@ -22,12 +22,13 @@ failed and whenever, and the same for both implementations (the same sharding, t
 reductions in the same order): compared bit for bit.
 
 The synchronous quorum (``use_async_quorum=False``) passes with both. The asynchronous one
-(torchft's default, torchtitan's) fails with both today: torchft takes the state a peer heals
-from on its quorum thread, while the training thread is in the forward, and both implementations
-reshard or swap parameters for a state dict. The runner's forward waits for the quorum midway
+(torchft's default, torchtitan's) passes with fsdp2 and fails with torch's: torchft takes the
+state a peer heals from on its quorum thread, while the training thread is in the forward; torch
+puts the sharded parameters back on the modules from that thread (its state-dict pre-hook) and
+the forward dies; fsdp2 reads the shards there without touching the modules ([Note: state from
+any thread] in engine/state_dict.py, issue 42). The runner's forward waits for the quorum midway
 (a model whose forward outlasts the quorum), so the ``state_dict()`` call lands inside the
-forward on every run, not by chance. Those tests are strict xfails that say what fails; fsdp2's
-turn green when its state can be taken from another thread mid-step (issue 42).
+forward on every run, not by chance. torch's are strict xfails that say what fails.
 
 Needs torchft (in the ``integration`` extra: ``pip install torch==2.13.0 torchft==0.2.0``);
 skipped without it, and beside torch 2.15 until checked there.
@@ -171,34 +172,35 @@ def test_sync_quorum_kills_change_nothing_committed(runs: Runs, impl: str) -> No
 
 
 # ---------------------------------------------------------------------------------------------
-# Asynchronous quorum: fails with both today (issue 42)
+# Asynchronous quorum: fsdp2 heals, torch's fully_shard fails (issue 42)
 # ---------------------------------------------------------------------------------------------
 
-ASYNC_FAILS = {
-    "fsdp2": (
-        "issue 42: for the heal at step 0 (torchft's init_sync) torchft calls get_state_dict("
-        "model, optimizer) on its quorum thread while the training thread is inside the forward "
-        "with block 1 unsharded; fsdp2's state-dict pre-hook (engine/state_dict.py, before_save) "
-        "reshards block 1 from the quorum thread, and the sending rank's forward dies in "
-        "block 1's Linear with `aten.addmm.default got mixed torch.Tensor and DTensor`; its "
-        "peers then fail on closed connections"
-    ),
-    "torch": (
-        "torch's fully_shard too: its state-dict pre-hook puts the sharded parameters back on "
-        "block 1 from the quorum thread, and the sending rank's forward dies with `aten.addmm."
-        "default got mixed torch.Tensor and DTensor` (torch's own limitation, torchtitan #4753: "
-        "expected to stay)"
-    ),
-}
+TORCH_ASYNC_FAILS = (
+    "torch's fully_shard: its state-dict pre-hook puts the sharded parameters back on block 1 "
+    "from the quorum thread, and the sending rank's forward dies with `aten.addmm.default got "
+    "mixed torch.Tensor and DTensor` (torch's own limitation, torchtitan #4753: expected to stay)"
+)
 
 
 @pytest.mark.parametrize(
     "impl",
     [
-        pytest.param(impl, marks=pytest.mark.xfail(strict=True, reason=ASYNC_FAILS[impl]))
-        for impl in IMPLS
+        "fsdp2",
+        pytest.param("torch", marks=pytest.mark.xfail(strict=True, reason=TORCH_ASYNC_FAILS)),
     ],
 )
 @pytest.mark.parametrize("case", list(CASES))
 def test_async_quorum_heals_and_groups_agree(runs: Runs, case: str, impl: str) -> None:
     check_run(runs("async", case)[impl], case)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_async_quorum_commits_what_the_sync_quorum_does(runs: Runs, case: str) -> None:
+    """fsdp2 under the asynchronous quorum commits, bit for bit, what torch's ``fully_shard``
+    commits under the synchronous one: taking the state mid-forward changes nothing trained."""
+    ours, theirs = runs("async", case)["fsdp2"], runs("sync", case)["torch"]
+    assert ours.finished and theirs.finished, f"{ours.tail()}\n{theirs.tail()}"
+    for key in ours.ranks:
+        mine, torchs = ours.ranks[key].committed(), theirs.ranks[key].committed()
+        assert mine == torchs, f"group/rank {key}: fsdp2 async {mine}\ntorch sync {torchs}"
+        assert_bitwise(weights(ours, *key), weights(theirs, *key), f"group/rank {key}")
