@@ -91,6 +91,18 @@ def _expected(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, dict[
     }
 
 
+def _step(model: nn.Module, optim: torch.optim.Optimizer, name: str, step: int) -> float:
+    """One training step on this rank's rows of the global batch; the global loss."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    loss = model(*rank_rows(global_batch(name, step, 0, GLOBAL_BATCH), rank, world))
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    loss = loss.detach().clone()
+    dist.all_reduce(loss)
+    return loss.item() / world
+
+
 def _options(setting: str) -> dict[str, Any]:
     """``fully_shard``'s arguments for each setting the take is checked with."""
     import fsdp2
@@ -106,7 +118,6 @@ def _train(name: str, setting: str, where: str) -> tuple[list[float], list[str]]
     """Train ``STEPS`` steps; with ``where`` ("forward", "backward"), a taker thread takes the
     state at that point of every step after the first while the training thread waits. Returns
     the losses and what differed between each take and the state after the step before it."""
-    rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(name, MODEL_SEED)
     shard_model(model, name, **_options(setting))
     optim = adamw(model.parameters())
@@ -154,13 +165,7 @@ def _train(name: str, setting: str, where: str) -> tuple[list[float], list[str]]
         armed[0] = where != "none" and step > 0
         if armed[0]:
             expected.append(_expected(model, optim))
-        loss = model(*rank_rows(global_batch(name, step, 0, GLOBAL_BATCH), rank, world))
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        loss = loss.detach().clone()
-        dist.all_reduce(loss)
-        losses.append(loss.item() / world)
+        losses.append(_step(model, optim, name, step))
     stop[0] = True
     ask.set()
     thread.join(timeout=10)
@@ -200,7 +205,6 @@ def test_state_taken_inside_a_step(name: str, setting: str, where: str) -> None:
 
 
 def _train_beside_a_taker(take: bool) -> tuple[list[float], int, list[str]]:
-    rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model("mlp", MODEL_SEED)
     shard_model(model, "mlp")
     optim = adamw(model.parameters())
@@ -222,15 +226,8 @@ def _train_beside_a_taker(take: bool) -> tuple[list[float], int, list[str]]:
         thread.start()
     losses = []
     for step in range(3 * STEPS):
-        x, y = rank_rows(global_batch("mlp", step, 0, GLOBAL_BATCH), rank, world)
-        loss = model(x, y)
-        loss.backward()
-        optim.step()
+        losses.append(_step(model, optim, "mlp", step))
         stepped.set()
-        optim.zero_grad()
-        loss = loss.detach().clone()
-        dist.all_reduce(loss)
-        losses.append(loss.item() / world)
     stop.set()
     if take:
         thread.join(timeout=30)
@@ -253,7 +250,6 @@ def _load_beside(setting: str, by_taker: bool) -> tuple[list[float], list[str]]:
     thread (``by_taker``) while the training thread waits between steps, else on the training
     thread. With ``by_taker``, the taker also tries to load inside each forward, which must be
     refused. Returns the losses and the refusals' messages."""
-    rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model("mlp", MODEL_SEED)
     shard_model(model, "mlp", **_options(setting))
     optim = adamw(model.parameters())
@@ -293,15 +289,9 @@ def _load_beside(setting: str, by_taker: bool) -> tuple[list[float], list[str]]:
     for step in range(STEPS):
         if step == 2:
             on_taker(load) if by_taker else load()
-        loss = model(*rank_rows(global_batch("mlp", step, 0, GLOBAL_BATCH), rank, world))
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
+        losses.append(_step(model, optim, "mlp", step))
         if step == 0:
             saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        loss = loss.detach().clone()
-        dist.all_reduce(loss)
-        losses.append(loss.item() / world)
     return losses, refusals
 
 
