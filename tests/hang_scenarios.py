@@ -33,6 +33,10 @@ from tests.errors import Tripwire
 
 DIM, OUT, WINDOW = 8, 4, 4
 TIMEOUT_S = 1.5  # FSDP2_COLLECTIVE_TIMEOUT in these scenarios
+# busy_store's: rank 1 must have issued its whole part of the step when rank 0 reports, and its
+# publisher must answer within the report's window (a quarter of this); 1.5 s was too short
+# beside a heavy load (load average 15-35 on 2 cores), where rank 1 was still mid-step.
+BUSY_STORE_TIMEOUT_S = 6.0
 
 
 class Gated(nn.Module):
@@ -353,7 +357,7 @@ def busy_store_main() -> None:
     from fsdp2.engine.coalesce import set_coalesce_bytes
 
     set_coalesce_bytes(0)  # the report pinned names one group's gather
-    os.environ["FSDP2_COLLECTIVE_TIMEOUT"] = str(TIMEOUT_S)
+    os.environ["FSDP2_COLLECTIVE_TIMEOUT"] = str(BUSY_STORE_TIMEOUT_S)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     store = dist.distributed_c10d._get_default_store()
