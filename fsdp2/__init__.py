@@ -27,6 +27,7 @@ from fsdp2.engine.policies import (
     MixedPrecisionPolicy,
     OffloadPolicy,
 )
+from fsdp2.engine.steps import consistent_state
 from fsdp2.engine.traced import set_traced
 from fsdp2.tools.auto import AutoShardResult, auto_shard
 from fsdp2.tools.clip import clip_grad_norm_
@@ -58,6 +59,7 @@ __all__ = [
     "UnshardHandle",
     "auto_shard",
     "clip_grad_norm_",
+    "consistent_state",
     "fully_shard",
     "iter_full_weights",
     "patch_torch_fsdp",

@@ -28,6 +28,7 @@ from fsdp2.engine.param import FSDPParam
 from fsdp2.engine.policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from fsdp2.engine.reduce import GradientReducer
 from fsdp2.engine.settings import GroupSettings
+from fsdp2.engine.steps import watch_optimizer_steps
 
 __all__ = ["FSDPParamGroup", "InFlightGather", "ShardedState", "Shared", "outside_transforms"]
 
@@ -142,6 +143,7 @@ class FSDPParamGroup:
         mode: Mode | None = None,
         meta_on_some_rank: bool = False,
     ) -> None:
+        watch_optimizer_steps()  # the steps' count and holds know every step from now on
         self.info = info
         self.mode: Mode = mode or Zero3()
         self.shard_size = info.shard_size

@@ -17,8 +17,8 @@ fully-sharded module's ``named_parameters()`` yields the sharded parameters ther
 ``get_state_dict`` maps the optimizer's state by). The values are the shards themselves, as on
 the training thread: those of the last completed optimizer step until the next step begins
 (nothing but an optimizer step, or a load, writes them). A taker that keeps them across a
-step copies them first, as ``dcp.async_save`` does, or holds the step (torchft's commit waits
-for its transfer).
+step copies them first, inside ``consistent_state`` ([Note: consistent state] in steps.py)
+where a copy may overlap a step (torchft's commit waits for its transfer: no overlap).
 
 ``FSDPModule.load_state_dict`` checks the whole state dict against the module before
 ``nn.Module`` copies anything (:func:`check_state_dict`): ``nn.Module`` copies each parameter as

@@ -33,7 +33,6 @@ from fsdp2.engine.modes.base import (
     snapshot_bytes,
 )
 from fsdp2.engine.policies import DataParallelMeshDims
-from fsdp2.engine.steps import watch_optimizer_steps
 
 __all__ = ["HFSDP", "reduce_scatter_in_levels"]
 
@@ -49,7 +48,6 @@ class HFSDP(Mode):
     def __init__(self, levels: tuple[dist.ProcessGroup, dist.ProcessGroup]) -> None:
         self.levels = levels  # the replicate dim's group, the shard dim's
         self._replica: KeptCopy | None = None  # this shard rank's 1/S, gathered over replicas
-        watch_optimizer_steps()
 
     @classmethod
     def check_args(cls, reshard_after_forward: object, dp_mesh_dims: object, who: str) -> None:

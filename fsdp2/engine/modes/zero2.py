@@ -17,7 +17,6 @@ from fsdp2.engine.kept import KeptCopy
 from fsdp2.engine.layout import FlatLayout
 from fsdp2.engine.mesh import MeshInfo
 from fsdp2.engine.modes.base import KeptPlan, Mode, shard_key, snapshot_bytes
-from fsdp2.engine.steps import watch_optimizer_steps
 
 __all__ = ["Zero2"]
 
@@ -32,7 +31,6 @@ class Zero2(Mode):
 
     def __init__(self) -> None:
         self._kept: KeptCopy | None = None  # the unsharded buffer a finished gather filled
-        watch_optimizer_steps()
 
     @classmethod
     def check_args(cls, reshard_after_forward: object, dp_mesh_dims: object, who: str) -> None:

@@ -1,0 +1,250 @@
+"""Copies of the state taken on another thread, consistent across an optimizer step.
+
+``fsdp2.consistent_state`` ([Note: consistent state] in fsdp2/engine/steps.py) holds the next
+optimizer step while a taker copies; with a process group, the takers of all ranks agree on
+one step. The copies here are slow on purpose (a pause per tensor, ~0.1 s a copy, several of the
+training's steps), so without the hold they would mix the parameters and the optimizer state of
+consecutive steps, and ranks would copy at different steps:
+
+- ``test_slow_copies_hold_one_step``: every copy equals, bit for bit, the state the training
+  thread recorded after the step the context named; the ranks name the same steps; the losses
+  equal a run without a taker. With AdamW, and with distributed Muon, whose step exchanges
+  matrices between ranks (a hold taken while a peer waits in that step's exchange would
+  deadlock: a step in flight is let end).
+- ``test_async_save_from_a_taker_thread``: ``dcp.async_save`` issued by a taker thread inside the
+  context while training goes on; each checkpoint loads back (at another world size) equal to
+  the state after its step.
+- ``test_a_raised_step_does_not_wedge_the_hold``: one process, no group: an optimizer step that
+  raised leaves no hold stuck for later copies.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+from tests.engine.test_state_from_thread import _local, _optim_local, _step
+from tests.harness import discard_pool, run_on_ranks
+from tests.models import build_model
+from tests.parity import MODEL_SEED, adamw, shard_model
+
+pytestmark = pytest.mark.usefixtures("fsdp2_only")
+
+STEPS = 12
+COPIES = 3
+PAUSE_S = 0.004  # per tensor copied: a copy spans several of the MLP's steps
+
+
+def _state(model: nn.Module, optim: torch.optim.Optimizer, pause: float = 0.0) -> dict[str, Any]:
+    """This rank's parameters and optimizer state, copied one tensor at a time."""
+    model_sd, optim_sd = get_state_dict(model, optim)
+    out: dict[str, torch.Tensor] = {}
+    for way, tensors in (("param", _local(model_sd)), ("optim", _optim_local(optim_sd))):
+        for key, value in tensors.items():
+            out[f"{way}/{key}"] = value.clone()
+            time.sleep(pause)
+    return out
+
+
+def _differences(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
+    if sorted(got) != sorted(want):
+        return [f"keys {sorted(got)} != {sorted(want)}"]
+    return [key for key, value in want.items() if not torch.equal(got[key], value)]
+
+
+def _optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
+    if name == "muon":  # its step exchanges matrices between ranks: a step that communicates
+        from fsdp2.optim import Muon
+
+        params = list(model.parameters())
+        matrices = [p for p in params if p.dim() == 2]
+        return Muon(matrices, lr=0.02, adamw_params=[p for p in params if p.dim() != 2])
+    return adamw(model.parameters())
+
+
+def _train_with_taker(take: str, ckpt: str = "", optimizer: str = "adamw") -> dict[str, Any]:
+    """Train ``STEPS`` steps, recording the state after each; with ``take`` ("copy", "save"),
+    a taker thread makes ``COPIES`` copies (or async saves) inside ``consistent_state`` from
+    the first step on."""
+    import fsdp2
+    from fsdp2.engine.steps import optimizer_steps
+
+    model = build_model("mlp", MODEL_SEED)
+    shard_model(model, "mlp")
+    optim = _optimizer(model, optimizer)
+    takers = dist.new_group(backend="gloo")
+    records: dict[int, dict[str, torch.Tensor]] = {}
+    taken: list[tuple[int, Any]] = []
+    errors: list[str] = []
+    stepped = threading.Event()
+
+    def taker() -> None:
+        stepped.wait(timeout=60)
+        try:
+            for i in range(COPIES):
+                with fsdp2.consistent_state(takers) as step:
+                    if take == "copy":
+                        taken.append((step, _state(model, optim, PAUSE_S)))
+                    else:
+                        model_sd, optim_sd = get_state_dict(model, optim)
+                        written = dcp.async_save(
+                            {"model": model_sd, "optim": optim_sd},
+                            checkpoint_id=f"{ckpt}/{i}",
+                            process_group=takers,
+                        )
+                        taken.append((step, f"{ckpt}/{i}"))
+                if take == "save":
+                    written.result()  # the writing, after the hold: training went on
+                time.sleep(0.02)
+        except BaseException as error:
+            errors.append(repr(error))
+
+    thread = threading.Thread(target=taker, daemon=True)
+    losses = []
+    for step in range(STEPS):
+        losses.append(_step(model, optim, "mlp", step))
+        records[optimizer_steps()] = _state(model, optim)
+        if step == 0 and take:
+            thread.start()
+            stepped.set()
+    if take:
+        thread.join(timeout=120)
+    return {"losses": losses, "records": records, "taken": taken, "errors": errors}
+
+
+def _results(
+    take: str, ckpt: str = "", optimizer: str = "adamw"
+) -> tuple[list[dict[str, Any]], list[list[float]]]:
+    discard_pool(2)  # fresh ranks: the takers' gloo group and DCP's writer thread stay out
+    try:
+        results = run_on_ranks(2, _train_with_taker, take, ckpt, optimizer)
+        plain = run_on_ranks(2, _train_with_taker, "", "", optimizer)
+    finally:
+        discard_pool(2)
+    for rank, result in enumerate(results):
+        assert not result["errors"], f"rank {rank}: the taker failed: {result['errors']}"
+        assert len(result["taken"]) == COPIES, f"rank {rank}: {len(result['taken'])} copies"
+    steps = [[step for step, _ in result["taken"]] for result in results]
+    assert steps[0] == steps[1], f"the ranks copied at different steps: {steps}"
+    return results, [result["losses"] for result in plain]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_slow_copies_hold_one_step(optimizer: str) -> None:
+    results, plain = _results("copy", "", optimizer)
+    for rank, result in enumerate(results):
+        records = result["records"]
+        steps = sorted(records)
+        # Consecutive steps' states differ, so a copy of the wrong step cannot pass.
+        for a, b in itertools.pairwise(steps):
+            assert _differences(records[a], records[b]), f"steps {a} and {b} hold the same state"
+        for step, copy in result["taken"]:
+            assert step in records, f"rank {rank}: copied at step {step}, not one it recorded"
+            differ = _differences(copy, records[step])
+            assert not differ, f"rank {rank}: the copy at step {step} differs in {differ}"
+        assert result["losses"] == plain[rank], f"rank {rank}: losses changed by the taker"
+
+
+def _load(ckpt: str) -> dict[str, torch.Tensor]:
+    """The checkpoint ``ckpt`` loaded into a fresh sharded model and optimizer, gathered to full
+    tensors (comparable across world sizes)."""
+    model = build_model("mlp", MODEL_SEED + 1)
+    shard_model(model, "mlp")
+    optim = adamw(model.parameters())
+    _step(model, optim, "mlp", 0)  # the optimizer's state exists to load into
+    model_sd, optim_sd = get_state_dict(model, optim)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=ckpt)
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return _full(model, optim)
+
+
+def _full(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    model_sd, optim_sd = get_state_dict(model, optim)
+
+    def full(value: torch.Tensor) -> torch.Tensor:
+        return value.full_tensor() if isinstance(value, DTensor) else value.clone()
+
+    out = {f"param/{k}": full(v) for k, v in model_sd.items() if isinstance(v, torch.Tensor)}
+    for fqn, per_param in optim_sd["state"].items():
+        out.update(
+            {
+                f"optim/{fqn}/{name}": full(v)
+                for name, v in per_param.items()
+                if isinstance(v, torch.Tensor)
+            }
+        )
+    return out
+
+
+def _joined(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Full tensors from the ranks' shards (dim-0 chunks in rank order; a 0-d tensor, AdamW's
+    step, is the same on every rank)."""
+    return {
+        key: value if value.dim() == 0 else torch.cat([shards[key] for shards in per_rank])
+        for key, value in per_rank[0].items()
+    }
+
+
+def test_async_save_from_a_taker_thread(tmp_path: Path) -> None:
+    results, plain = _results("save", str(tmp_path))
+    for rank, result in enumerate(results):
+        assert result["losses"] == plain[rank], f"rank {rank}: losses changed by the saves"
+    for step, ckpt in results[0]["taken"]:
+        want = _joined([result["records"][step] for result in results])
+        got = run_on_ranks(1, _load, ckpt)[0]  # at world size 1: the full tensors
+        differ = _differences(got, want)
+        assert not differ, f"the checkpoint of step {step} differs in {differ}"
+
+
+class _RaisesOnce(torch.optim.SGD):
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, lr=0.1)
+        self.raised = False
+
+    def step(self, closure: Any = None) -> Any:
+        if not self.raised:
+            self.raised = True
+            raise RuntimeError("a step that fails")
+        return super().step(closure)
+
+
+def test_a_raised_step_does_not_wedge_the_hold() -> None:
+    import fsdp2
+    from fsdp2.engine.steps import optimizer_steps, watch_optimizer_steps
+
+    watch_optimizer_steps()
+    before = optimizer_steps()
+    weight = nn.Parameter(torch.ones(4))
+    optim = _RaisesOnce([weight])
+    weight.grad = torch.ones(4)
+    with pytest.raises(RuntimeError, match="a step that fails"):
+        optim.step()
+    # The failed step looks in flight until this thread steps again: a taker waits for that.
+    seen: list[int] = []
+
+    def taker() -> None:
+        with fsdp2.consistent_state() as step:
+            seen.append(step)
+
+    thread = threading.Thread(target=taker)
+    thread.start()
+    time.sleep(0.1)
+    optim.step()
+    thread.join(timeout=10)
+    # The failed step counts as one (it may have written), then the copy, then the new step.
+    assert seen == [before + 1], (seen, before)
+    assert optimizer_steps() == before + 2
+    with fsdp2.consistent_state() as step:  # on the stepping thread, between steps: no wait
+        assert step == optimizer_steps()
