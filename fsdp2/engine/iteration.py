@@ -96,13 +96,15 @@ class IterContext:
         # No state has explicit prefetch targets (set at each start_forward): gathers may be
         # coalesced, if coalescing is on ([Note: coalesced gathers]).
         self.coalesce_ok = False
-        # The thread that started the last forward: state taken from any other one is read
-        # without resharding or swapping what that thread uses ([Note: state from any thread]).
-        self.thread: int | None = None
+        # The threads training this iteration: the one that started the forward, and any the
+        # backward ran on (autograd runs a CUDA backward on a thread of its own). State taken
+        # from any other is read without resharding or swapping what they use ([Note: state
+        # from any thread]).
+        self.threads: set[int] = set()
 
     def off_thread(self) -> bool:
-        """Whether the caller is a thread other than the one that started the last forward."""
-        return self.thread is not None and self.thread != threading.get_ident()
+        """Whether the caller is a thread other than those training this iteration."""
+        return bool(self.threads) and threading.get_ident() not in self.threads
 
     def record(self, group: FSDPParamGroup) -> None:
         """Note that ``group`` runs now (its first call this iteration fixes its position)."""
@@ -172,7 +174,7 @@ class IterContext:
             self.post_optim_event.wait()
             self.post_optim_event = None
         self.iteration += 1
-        self.thread = threading.get_ident()
+        self.threads = {threading.get_ident()}
         self.recording = []
         self.training_forward = torch.is_grad_enabled()
         self.coalesce_ok = not explicit_prefetch
@@ -189,6 +191,7 @@ class IterContext:
         if self.callback_queued:
             return False
         self.callback_queued = True
+        self.threads.add(threading.get_ident())  # autograd's thread for this backward
         if self.manual_active is None:
             self.manual_active = manual
         return True

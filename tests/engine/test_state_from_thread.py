@@ -25,6 +25,7 @@ fsdp2 only: torch's ``fully_shard`` fails both (``got mixed torch.Tensor and DTe
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -91,11 +92,17 @@ def _expected(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, dict[
     }
 
 
-def _step(model: nn.Module, optim: torch.optim.Optimizer, name: str, step: int) -> float:
+def _step(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    name: str,
+    step: int,
+    backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
+) -> float:
     """One training step on this rank's rows of the global batch; the global loss."""
     rank, world = dist.get_rank(), dist.get_world_size()
     loss = model(*rank_rows(global_batch(name, step, 0, GLOBAL_BATCH), rank, world))
-    loss.backward()
+    backward(loss)
     optim.step()
     optim.zero_grad()
     loss = loss.detach().clone()
@@ -111,6 +118,10 @@ def _options(setting: str) -> dict[str, Any]:
         return {"mp_policy": fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16)}
     if setting == "zero2":  # gathered copies kept between steps
         return {"memory_mode": "zero2"}
+    if setting == "offload":  # the shards live on the CPU, gathered on the device
+        return {"offload_policy": fsdp2.CPUOffloadPolicy()}
+    if setting == "reshard1":  # resharded after forward to one rank's copy (int reshard)
+        return {"reshard_after_forward": 1}
     return {}
 
 
@@ -193,6 +204,8 @@ def _train(name: str, setting: str, where: str) -> tuple[list[float], list[str]]
         ("mlp", "plain", "backward"),
         ("mlp", "bf16", "backward"),
         ("mlp", "zero2", "forward"),
+        ("mlp", "offload", "backward"),
+        ("mlp", "reshard1", "backward"),
         ("gpt", "plain", "backward"),  # lm_head tied to wte: both keys, one shard
     ],
 )
@@ -307,3 +320,39 @@ def test_load_from_another_thread(setting: str) -> None:
             assert "load_state_dict from another thread" in message, message
             assert "nothing was loaded" in message, message
         assert losses == plain, f"rank {rank}: losses {losses} != {plain} loading on the trainer"
+
+
+def _backward_on_another_thread(elsewhere: bool) -> tuple[list[float], list[bool]]:
+    """Forward on this thread, backward on another (``elsewhere``), as autograd runs a CUDA
+    backward on a device thread of its own. A hook in block 1's backward reads the block's
+    ``named_parameters()``: that thread trains, so it sees what the block holds then (the
+    gathered parameters), not the shards another thread's taker gets. Returns the losses and,
+    per step, whether the hook saw a sharded DTensor."""
+    model = build_model("mlp", MODEL_SEED)
+    shard_model(model, "mlp")
+    optim = adamw(model.parameters())
+    block = model.blocks[1]
+    inner = next(m for m in block.modules() if m is not block and m._parameters)
+    seen: list[bool] = []
+    inner.register_full_backward_pre_hook(
+        lambda *_: seen.append(any(isinstance(p, DTensor) for _, p in block.named_parameters()))
+    )
+
+    def on_another_thread(loss: torch.Tensor) -> None:
+        thread = threading.Thread(target=loss.backward)
+        thread.start()
+        thread.join(timeout=60)
+
+    backward = on_another_thread if elsewhere else torch.Tensor.backward
+    losses = [_step(model, optim, "mlp", step, backward) for step in range(STEPS)]
+    return losses, seen
+
+
+def test_backward_on_another_thread_trains() -> None:
+    results = run_on_ranks(2, _backward_on_another_thread, True)
+    baseline = run_on_ranks(2, _backward_on_another_thread, False)
+    for rank, ((losses, seen), (plain, seen_plain)) in enumerate(
+        zip(results, baseline, strict=True)
+    ):
+        assert losses == plain, f"rank {rank}: losses {losses} != {plain} with one thread"
+        assert seen == seen_plain == [False] * STEPS, f"rank {rank}: {seen} / {seen_plain}"
