@@ -34,7 +34,6 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -45,7 +44,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fsdp2 from this checkout
-from measure import CommCounter, CommCounts, CPUMemory, exposed_comm_ms, timed
+from measure import CommCounter, CommCounts, CPUMemory, exposed_comm_ms, leave, timed
 from workloads import DEFAULT_SIZES, MODELS, blocks_of, build_model, make_batch, param_bytes
 
 try:
@@ -354,18 +353,6 @@ per_rank: list[dict[str, dict]] = [{}] * world_size
 dist.all_gather_object(
     per_rank, {"step_s": step_s, "memory": memory, "comm_s": comm_alone_s, "exposed": exposed}
 )
-
-
-def leave() -> NoReturn:
-    """Exit without finalizing the interpreter. gloo's worker threads release a finished
-    collective's tensors a moment after `wait()` returns; if that lands during interpreter shutdown,
-    the worker's GIL acquire kills the thread inside a destructor and the process aborts
-    ("terminate called without an active exception"). Seen here after all_gather_object."""
-    dist.barrier()  # rank 0 has reported; leave together
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if rank != 0:

@@ -7,7 +7,10 @@ from the DCP checkpoint at world sizes 1, 2 and 4 (resharding), from the full st
 plain unsharded model, and from the full state dict broadcast from rank 0 into a model that has
 never been materialised (meta device). Each global batch is fixed and split over the ranks, so
 runs at different world sizes see the same data; at the saving world size the continuation must
-be bitwise identical, at others equal up to reduction-order rounding.
+be bitwise identical, at others equal up to reduction-order rounding. A run that issues
+``dcp.async_save`` every two steps while training on must lose exactly what a run without
+checkpoints loses, and each of its checkpoints must load, at 1, 2 and 4 ranks, into exactly the
+state of the step it was issued at.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import copy
 import os
 import shutil
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +136,10 @@ def _check_losses(losses: list[float], expected: list[float], world_size: int) -
 # ---------------------------------------------------------------------------------------------
 
 
-def _dcp_resume(ckpt: str, memory_mode: str = "zero3") -> dict[str, Any]:
+def _dcp_resume(
+    ckpt: str, memory_mode: str = "zero3", steps: range = RESUMED_STEPS
+) -> dict[str, Any]:
+    """The full state loaded from ``ckpt``, and the losses of training ``steps`` on from it."""
     # Other values: loading must overwrite them all.
     model = _sharded_model(MODEL_SEED + 1, memory_mode)
     optim = adamw(model.parameters())
@@ -142,7 +149,7 @@ def _dcp_resume(ckpt: str, memory_mode: str = "zero3") -> dict[str, Any]:
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt)
     set_state_dict(model, optim, model_state_dict=model_sd, optim_state_dict=optim_sd)
     full = _full_state(model, optim)
-    return {"full": full, "losses": _train(model, optim, RESUMED_STEPS)}
+    return {"full": full, "losses": _train(model, optim, steps)}
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -165,37 +172,95 @@ def test_dcp_resume_in_another_memory_mode(
     _check_losses(resumed["losses"], saved["losses"], world_size)
 
 
-def _async_save_and_train_on(ckpt: str) -> list[float]:
-    """torchtitan's async checkpoint: ``dcp.async_save`` on a gloo group of its own (its writer
-    thread's collectives must not interleave with training's), training going on meanwhile."""
+ASYNC_STEPS = 7
+# Steps trained when each async_save is issued: 2, 4, 6, each with training after it.
+ASYNC_SAVE_STEPS = range(STEPS_BEFORE, ASYNC_STEPS, 2)
+
+
+def _async_ckpt(root: str, step: int) -> str:
+    return os.path.join(root, f"step{step}")
+
+
+def _train_without_checkpoints() -> dict[str, Any]:
     model = _sharded_model(MODEL_SEED)
     optim = adamw(model.parameters())
-    _train(model, optim, range(STEPS_BEFORE))
-    model_sd, optim_sd = get_state_dict(model, optim)
+    losses = _train(model, optim, range(ASYNC_STEPS))
+    return {"losses": losses, "full": _full_state(model, optim)}
+
+
+def _async_saves_while_training(root: str) -> dict[str, Any]:
+    """torchtitan's async checkpointing: at each of ``ASYNC_SAVE_STEPS``, ``dcp.async_save``
+    into a directory of its own, on a gloo group of its own (its writer thread's collectives
+    must not interleave with training's). The previous save is awaited only before the next one
+    is issued, so training goes on while each is written. Returns the losses and the full state
+    at each save step (and at the end, ``ASYNC_STEPS``)."""
+    model = _sharded_model(MODEL_SEED)
+    optim = adamw(model.parameters())
     group = dist.new_group(backend="gloo")
-    written = dcp.async_save(
-        {"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt, process_group=group
-    )
-    losses = _train(model, optim, RESUMED_STEPS)
+    losses: list[float] = []
+    states: dict[int, dict[str, Any]] = {}
+    written = None
+    for step in range(ASYNC_STEPS):
+        if step in ASYNC_SAVE_STEPS:
+            states[step] = _full_state(model, optim)
+            if written is not None:
+                written.result()
+            model_sd, optim_sd = get_state_dict(model, optim)
+            written = dcp.async_save(
+                {"model": model_sd, "optim": optim_sd},
+                checkpoint_id=_async_ckpt(root, step),
+                process_group=group,
+            )
+        losses += _train(model, optim, range(step, step + 1))
+    if written is None:
+        raise AssertionError(f"expected saves at steps {list(ASYNC_SAVE_STEPS)}, found none")
     written.result()
-    return losses  # the group stays: the pool is discarded after the test
+    states[ASYNC_STEPS] = _full_state(model, optim)
+    return {"losses": losses, "states": states}  # the group stays: the pool is discarded
+
+
+def _dcp_resume_each(root: str) -> dict[int, dict[str, Any]]:
+    """Every async checkpoint resumed in a fresh model, trained on to ``ASYNC_STEPS``."""
+    return {
+        step: _dcp_resume(_async_ckpt(root, step), steps=range(step, ASYNC_STEPS))
+        for step in ASYNC_SAVE_STEPS
+    }
+
+
+def _assert_params_moved(earlier: dict[str, Any], later: dict[str, Any]) -> None:
+    moved = [k for k, v in earlier["model"].items() if not torch.equal(v, later["model"][k])]
+    assert moved, "no parameter changed between the two states"
 
 
 def test_dcp_async_save_keeps_the_state_of_its_step(saved: dict[str, Any], tmp_path: Path) -> None:
-    ckpt = str(tmp_path / "async")
+    root = str(tmp_path)
     # Fresh rank processes, discarded after: DCP's writer thread and the extra gloo group stay
     # out of later tests. (Once in ~10 full runs, rank 0 crashed with SIGSEGV in the resume
     # below when it shared its processes with the tests before; not reproduced alone.)
     discard_pool(SAVE_WORLD_SIZE)
     try:
-        losses = run_on_ranks(SAVE_WORLD_SIZE, _async_save_and_train_on, ckpt)[0]
-        # Written while training went on, it holds the state at the call, not a later one.
-        resumed = run_on_ranks(SAVE_WORLD_SIZE, _dcp_resume, ckpt)[0]
+        plain = run_on_ranks(SAVE_WORLD_SIZE, _train_without_checkpoints)[0]
+        run = run_on_ranks(SAVE_WORLD_SIZE, _async_saves_while_training, root)[0]
+        resumed = run_on_ranks(SAVE_WORLD_SIZE, _dcp_resume, _async_ckpt(root, STEPS_BEFORE))[0]
     finally:
         discard_pool(SAVE_WORLD_SIZE)
-    assert losses == saved["losses"]  # the same computation as the synchronous run: bitwise
-    _assert_same_state(resumed["full"], saved["full"])
+    # Saving while training changes no step: bitwise the run without checkpoints, and the
+    # synchronous run's (fixture) losses after its save.
+    assert run["losses"] == plain["losses"]
+    assert [plain["losses"][step] for step in RESUMED_STEPS] == saved["losses"]
+    states = run["states"]
+    _assert_same_state(states[ASYNC_STEPS], plain["full"])
+    _assert_same_state(states[STEPS_BEFORE], saved["full"])
+    # Each state differs from the next, so a checkpoint holding a later step's state (written
+    # after training went on) fails the comparisons below.
+    for earlier, later in pairwise(sorted(states)):
+        _assert_params_moved(states[earlier], states[later])
+    _assert_same_state(resumed["full"], states[STEPS_BEFORE])
     _check_losses(resumed["losses"], saved["losses"], SAVE_WORLD_SIZE)
+    for world_size in (1, 4):  # resharded: the same state, loaded exactly
+        for step, loaded in run_on_ranks(world_size, _dcp_resume_each, root)[0].items():
+            _assert_same_state(loaded["full"], states[step])
+            _check_losses(loaded["losses"], run["losses"][step:], world_size)
 
 
 def _dcp_resume_error(ckpt: str) -> str:
