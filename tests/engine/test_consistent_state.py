@@ -11,9 +11,10 @@ consecutive steps, and ranks would copy at different steps:
   equal a run without a taker. With AdamW, and with distributed Muon, whose step exchanges
   matrices between ranks (a hold taken while a peer waits in that step's exchange would
   deadlock: a step in flight is let end).
-- ``test_async_save_from_a_taker_thread``: ``dcp.async_save`` issued by a taker thread inside the
-  context while training goes on; each checkpoint loads back (at another world size) equal to
-  the state after its step.
+- ``test_saves_from_a_taker_thread``: ``dcp.save`` (written inside the context) and
+  ``dcp.async_save`` (staged inside, written after) issued by a taker thread while training
+  goes on, on the takers' group; each checkpoint loads back (at another world size) equal to the
+  state after its step.
 - ``test_a_raised_step_does_not_wedge_the_hold``: one process, no group: an optimizer step that
   raised leaves no hold stuck for later copies.
 """
@@ -74,9 +75,9 @@ def _optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
 
 
 def _train_with_taker(take: str, ckpt: str = "", optimizer: str = "adamw") -> dict[str, Any]:
-    """Train ``STEPS`` steps, recording the state after each; with ``take`` ("copy", "save"),
-    a taker thread makes ``COPIES`` copies (or async saves) inside ``consistent_state`` from
-    the first step on."""
+    """Train ``STEPS`` steps, recording the state after each; with ``take`` ("copy", "save",
+    "async_save"), a taker thread makes ``COPIES`` copies (or checkpoints) inside
+    ``consistent_state`` from the first step on."""
     import fsdp2
     from fsdp2.engine.steps import optimizer_steps
 
@@ -96,15 +97,17 @@ def _train_with_taker(take: str, ckpt: str = "", optimizer: str = "adamw") -> di
                 with fsdp2.consistent_state(takers) as step:
                     if take == "copy":
                         taken.append((step, _state(model, optim, PAUSE_S)))
-                    else:
-                        model_sd, optim_sd = get_state_dict(model, optim)
+                        continue
+                    model_sd, optim_sd = get_state_dict(model, optim)
+                    state = {"model": model_sd, "optim": optim_sd}
+                    if take == "save":  # written inside the hold: training waits for it
+                        dcp.save(state, checkpoint_id=f"{ckpt}/{i}", process_group=takers)
+                    else:  # staged inside, written after
                         written = dcp.async_save(
-                            {"model": model_sd, "optim": optim_sd},
-                            checkpoint_id=f"{ckpt}/{i}",
-                            process_group=takers,
+                            state, checkpoint_id=f"{ckpt}/{i}", process_group=takers
                         )
-                        taken.append((step, f"{ckpt}/{i}"))
-                if take == "save":
+                    taken.append((step, f"{ckpt}/{i}"))
+                if take == "async_save":
                     written.result()  # the writing, after the hold: training went on
                 time.sleep(0.02)
         except BaseException as error:
@@ -197,8 +200,9 @@ def _joined(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     }
 
 
-def test_async_save_from_a_taker_thread(tmp_path: Path) -> None:
-    results, plain = _results("save", str(tmp_path))
+@pytest.mark.parametrize("take", ["save", "async_save"])
+def test_saves_from_a_taker_thread(take: str, tmp_path: Path) -> None:
+    results, plain = _results(take, str(tmp_path))
     for rank, result in enumerate(results):
         assert result["losses"] == plain[rank], f"rank {rank}: losses changed by the saves"
     for step, ckpt in results[0]["taken"]:
