@@ -35,7 +35,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -57,6 +57,7 @@ _stepping: dict[int, tuple[list[int], float]] = {}
 # the count has reached a hold.
 _holds: list[list[int]] = []
 _handles: Any = None
+_Hook = Callable[[torch.optim.Optimizer, Any, Any], None]
 
 
 def _wait(ready: Callable[[], bool], what: Callable[[], str], timeout: float) -> None:
@@ -112,9 +113,11 @@ def watch_optimizer_steps() -> None:
     group's construction calls it, so a step in flight when a copy is first asked is known)."""
     global _handles
     if _handles is None:
+        # Not traced: a compiled ``optimizer.step`` runs them eagerly (a lock, thread ids).
+        eager = cast(Callable[[_Hook], _Hook], torch.compiler.disable)
         _handles = (
-            register_optimizer_step_pre_hook(_before_step),
-            register_optimizer_step_post_hook(_after_step),
+            register_optimizer_step_pre_hook(eager(_before_step)),
+            register_optimizer_step_post_hook(eager(_after_step)),
         )
 
 

@@ -252,3 +252,27 @@ def test_a_raised_step_does_not_wedge_the_hold() -> None:
     assert optimizer_steps() == before + 2
     with fsdp2.consistent_state() as step:  # on the stepping thread, between steps: no wait
         assert step == optimizer_steps()
+
+
+def test_a_compiled_optimizer_step_counts() -> None:
+    """``torch.compile(optimizer.step)`` (torch's recipe for a faster step): the step hooks run
+    eagerly, not traced (dynamo warned on their thread ids and locks, and split the step), and
+    every compiled step counts."""
+    import warnings
+
+    from fsdp2.engine.steps import optimizer_steps, watch_optimizer_steps
+
+    watch_optimizer_steps()
+    weight = nn.Parameter(torch.ones(4))
+    optim = torch.optim.AdamW([weight], lr=0.1)
+    weight.grad = torch.ones(4)
+    optim.step()  # the state exists before the compiled steps
+    step = torch.compile(optim.step, backend="eager")
+    before = optimizer_steps()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            step()
+    assert optimizer_steps() == before + 3
+    traced = [str(w.message) for w in caught if "get_ident" in str(w.message)]
+    assert not traced, traced
