@@ -6,8 +6,9 @@ nothing wrote the shards since its gather. Writes through the parameter (``load_
 ``with torch.no_grad(): p.copy_(...)``) or through its local tensor (a checkpoint loaded in
 place) bump autograd's version counters, which the group compares. An optimizer's in-place
 update does not always reach the local tensor's counter (a ``DTensor`` runs the local op below
-autograd), so every optimizer step counts here too. Every rank steps the same optimizers, so
-every rank sees the same count and gathers at the same forward.
+autograd), so every step of an optimizer of sharded parameters counts here too (one of plain
+tensors only is not counted: :func:`_writes_shards`). Every rank steps the same such
+optimizers, so every rank sees the same count and gathers at the same forward.
 
 [Note: consistent state]
 A thread other than the training one may copy the state (the sharded parameters and the
@@ -34,11 +35,13 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
@@ -57,6 +60,10 @@ _stepping: dict[int, tuple[list[int], float]] = {}
 # the count has reached a hold.
 _holds: list[list[int]] = []
 _handles: Any = None
+# Per optimizer: its number of param groups, and whether they hold a sharded parameter.
+_shards: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, bool]] = (
+    weakref.WeakKeyDictionary()
+)
 _Hook = Callable[[torch.optim.Optimizer, Any, Any], None]
 
 
@@ -88,7 +95,21 @@ def _end(me: int, optimizer: torch.optim.Optimizer) -> None:
             _cond.notify_all()
 
 
+def _writes_shards(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` steps a sharded parameter (a DTensor); only such steps count. One
+    of plain tensors (a probe, one rank's own head) may step on some ranks only: counting it
+    would part the ranks' counts, hence their copies' steps and zero2's regathers."""
+    groups = optimizer.param_groups
+    known = _shards.get(optimizer)
+    if known is None or known[0] != len(groups):  # add_param_group may change the answer
+        known = (len(groups), any(isinstance(p, DTensor) for g in groups for p in g["params"]))
+        _shards[optimizer] = known
+    return known[1]
+
+
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if not _writes_shards(optimizer):
+        return
     me = threading.get_ident()
     with _cond:
         # Already stepping here: its last step raised (it may have written: it counts).
@@ -104,6 +125,8 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if not _writes_shards(optimizer):
+        return
     with _cond:
         _end(threading.get_ident(), optimizer)
 

@@ -15,8 +15,10 @@ consecutive steps, and ranks would copy at different steps:
   ``dcp.async_save`` (staged inside, written after) issued by a taker thread while training
   goes on, on the takers' group; each checkpoint loads back (at another world size) equal to the
   state after its step.
-- ``test_a_raised_step_does_not_wedge_the_hold``: one process, no group: an optimizer step that
+- ``test_a_raised_step_does_not_wedge_the_hold``: one rank, no group: an optimizer step that
   raised leaves no hold stuck for later copies.
+- ``test_compiled_steps_count_and_plain_ones_do_not``: a compiled ``optimizer.step`` counts
+  (its hooks run eagerly); an optimizer of plain tensors does not.
 """
 
 from __future__ import annotations
@@ -224,17 +226,28 @@ class _RaisesOnce(torch.optim.SGD):
         return super().step(closure)
 
 
-def test_a_raised_step_does_not_wedge_the_hold() -> None:
+def _sharded_weight() -> nn.Parameter:
+    """A DTensor parameter with a gradient, on this rank's 1-D mesh: what counts as a step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    weight = nn.Parameter(distribute_tensor(torch.ones(4), mesh, [Shard(0)]))
+    weight.grad = distribute_tensor(torch.ones(4), mesh, [Shard(0)])
+    return weight
+
+
+def _raised_step() -> dict[str, Any]:
     import fsdp2
     from fsdp2.engine.steps import optimizer_steps, watch_optimizer_steps
 
     watch_optimizer_steps()
     before = optimizer_steps()
-    weight = nn.Parameter(torch.ones(4))
-    optim = _RaisesOnce([weight])
-    weight.grad = torch.ones(4)
-    with pytest.raises(RuntimeError, match="a step that fails"):
+    optim = _RaisesOnce([_sharded_weight()])
+    try:
         optim.step()
+    except RuntimeError:
+        pass
     # The failed step looks in flight until this thread steps again: a taker waits for that.
     seen: list[int] = []
 
@@ -247,25 +260,25 @@ def test_a_raised_step_does_not_wedge_the_hold() -> None:
     time.sleep(0.1)
     optim.step()
     thread.join(timeout=10)
+    with fsdp2.consistent_state() as between:  # on the stepping thread, between steps: no wait
+        pass
+    return {"before": before, "seen": seen, "after": optimizer_steps(), "between": between}
+
+
+def test_a_raised_step_does_not_wedge_the_hold() -> None:
+    got = run_on_ranks(1, _raised_step)[0]
     # The failed step counts as one (it may have written), then the copy, then the new step.
-    assert seen == [before + 1], (seen, before)
-    assert optimizer_steps() == before + 2
-    with fsdp2.consistent_state() as step:  # on the stepping thread, between steps: no wait
-        assert step == optimizer_steps()
+    assert got["seen"] == [got["before"] + 1], got
+    assert got["after"] == got["between"] == got["before"] + 2, got
 
 
-def test_a_compiled_optimizer_step_counts() -> None:
-    """``torch.compile(optimizer.step)`` (torch's recipe for a faster step): the step hooks run
-    eagerly, not traced (dynamo warned on their thread ids and locks, and split the step), and
-    every compiled step counts."""
+def _compiled_steps() -> dict[str, Any]:
     import warnings
 
     from fsdp2.engine.steps import optimizer_steps, watch_optimizer_steps
 
     watch_optimizer_steps()
-    weight = nn.Parameter(torch.ones(4))
-    optim = torch.optim.AdamW([weight], lr=0.1)
-    weight.grad = torch.ones(4)
+    optim = torch.optim.AdamW([_sharded_weight()], lr=0.1)
     optim.step()  # the state exists before the compiled steps
     step = torch.compile(optim.step, backend="eager")
     before = optimizer_steps()
@@ -273,6 +286,21 @@ def test_a_compiled_optimizer_step_counts() -> None:
         warnings.simplefilter("always")
         for _ in range(3):
             step()
-    assert optimizer_steps() == before + 3
-    traced = [str(w.message) for w in caught if "get_ident" in str(w.message)]
-    assert not traced, traced
+    compiled = optimizer_steps() - before
+    plain = nn.Parameter(torch.ones(4))
+    plain.grad = torch.ones(4)
+    torch.optim.SGD([plain], lr=0.1).step()  # no sharded parameter: not counted
+    return {
+        "compiled": compiled,
+        "plain": optimizer_steps() - before - compiled,
+        "traced": [str(w.message) for w in caught if "get_ident" in str(w.message)],
+    }
+
+
+def test_compiled_steps_count_and_plain_ones_do_not() -> None:
+    """``torch.compile(optimizer.step)`` (torch's recipe for a faster step): the step hooks run
+    eagerly, not traced (dynamo warned on their thread ids and locks, and split the step), and
+    every compiled step counts. An optimizer of plain tensors only does not count: it may step
+    on some ranks only (a probe, one rank's head), and would part the ranks' counts."""
+    got = run_on_ranks(1, _compiled_steps)[0]
+    assert got == {"compiled": 3, "plain": 0, "traced": []}, got
