@@ -33,6 +33,7 @@ naming what it waited for: never a silent hang.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
 import weakref
@@ -135,9 +136,16 @@ def watch_optimizer_steps() -> None:
     """Count every optimizer step from now on, and hold it for copies (idempotent; every
     group's construction calls it, so a step in flight when a copy is first asked is known)."""
     global _handles
-    if _handles is None:
-        # Not traced: a compiled ``optimizer.step`` runs them eagerly (a lock, thread ids).
-        eager = cast(Callable[[_Hook], _Hook], torch.compiler.disable)
+    with _cond:  # groups may be built on several threads at once (a threaded process group)
+        if _handles is not None:
+            return
+        # A compiled ``optimizer.step`` would trace them (a lock, thread ids: dynamo warns and
+        # splits the step there; the counts stay right). Kept out of its way where dynamo is
+        # loaded already (a model compiled before fully_shard, torchtitan's order): importing
+        # it here would cost every run ~2 s.
+        eager: Callable[[_Hook], _Hook] = lambda hook: hook  # noqa: E731
+        if "torch._dynamo" in sys.modules:
+            eager = cast(Callable[[_Hook], _Hook], torch.compiler.disable)
         _handles = (
             register_optimizer_step_pre_hook(eager(_before_step)),
             register_optimizer_step_post_hook(eager(_after_step)),
