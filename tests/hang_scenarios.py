@@ -8,8 +8,10 @@ its step: ``"<ErrorType>: <message>"`` with times normalised, or what the rank d
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -111,6 +113,22 @@ def outcome(fn: Callable[[], Any]) -> str:
 def normalise(text: str) -> str:
     """Times vary from run to run: ``2.3 s`` -> ``N s``."""
     return re.sub(r"\b\d+\.\d+ s\b", "N s", text)
+
+
+def logged_report(
+    proc: subprocess.CompletedProcess[str], deadline_s: float, backend_timeout_s: float
+) -> tuple[dict[str, Any], str]:
+    """A scenario whose rank 0 prints one JSON line (``logged``: ``(seconds, message)`` pairs):
+    that line and the one hang report it logged, checked to be logged between fsdp2's deadline
+    and the group's own timeout (a wait fsdp2 cannot end itself)."""
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, proc.stdout + proc.stderr
+    (line,) = lines
+    reports = [(t, m) for t, m in line["logged"] if "FSDP2_COLLECTIVE_TIMEOUT) for" in m]
+    assert len(reports) == 1, line["logged"]
+    when, report = reports[0]
+    assert deadline_s <= when < backend_timeout_s, line["logged"]
+    return line, report
 
 
 def _step(model: Stack, step: int, seq: int = WINDOW) -> str:

@@ -36,7 +36,7 @@ __all__ = [
 FINGERPRINT_BYTES = 128
 _HEADER = struct.Struct("<qqq8s16s")  # op, numel, seq, label hash, dtype name: 48 bytes
 _LABEL_BYTES = FINGERPRINT_BYTES - _HEADER.size
-_OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+_OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "redistribute")
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -105,6 +105,12 @@ def _cause(found: list[dict[str, object]]) -> str:
             "unscale_ (in scaler.step) decides skip-or-step with every rank. Fix: call "
             "scaler.step/unscale_ on every rank each step (a rank out of data must stop the "
             "job on every rank, not skip a step alone)."
+        )
+    if differ("op") and any(f["op"] == "redistribute" for f in found):
+        return (
+            "Likely cause: some ranks load a state dict, or lay out a gradient, that others do "
+            "not (a DTensor redistribution; a load on rank 0 only, a model that differs between "
+            "ranks). Fix: load on every rank, and build the model alike on every rank."
         )
     if differ("op"):
         return (

@@ -37,7 +37,8 @@ a rank publishes that it exited, so a peer still waiting for it can say so.
 Backends without a deadline (``waiting.py``): where a process group's works reject a finite
 ``wait(timeout)`` (torch's threaded process group, many out-of-tree backends), fsdp2 waits
 without one; the publisher thread then logs the report once a wait passes the deadline, and the
-backend's own timeout ends it. Any error the backend raises from a wait (gloo's "Connection closed
+backend's own timeout ends it. The same holds for DTensor's redistributions, whatever the backend:
+DTensor waits on them (``collectives.redistribute``). Any error the backend raises from a wait (gloo's "Connection closed
 by peer" when a rank exited) becomes :class:`CollectiveFailedError`, with the same per-rank lines.
 
 CUDA: NCCL's ``work.wait()`` only makes the current stream wait; the host never blocks there,
@@ -56,6 +57,8 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -70,6 +73,7 @@ __all__ = [
     "CollectiveFailedError",
     "CollectiveTimeoutError",
     "Event",
+    "blocked_in",
     "describe_ranks",
     "note",
     "timeout_s",
@@ -87,6 +91,7 @@ _OP_NAMES = {
     "reduce_scatter": "reduce-scatter",
     "all_reduce": "all-reduce",
     "all_to_all": "all-to-all",
+    "redistribute": "DTensor redistribution",
 }
 
 
@@ -138,7 +143,7 @@ class _Rank:
 
     __slots__ = (
         "__weakref__", "answered", "counts", "exited", "last", "own_store", "polled",
-        "published", "rank", "ring", "store", "waiting", "warned",
+        "published", "rank", "ring", "store", "untimed", "waiting", "warned",
     )  # fmt: skip
 
     def __init__(self, rank: int, store: Store | None) -> None:
@@ -153,6 +158,7 @@ class _Rank:
         self.published: tuple[int, int] | None = None  # what was last published (marker), when
         self.last = 0.0
         self.warned = 0  # id of the untimed wait last logged (_watch): not the wait, its group
+        self.untimed = False  # the wait is another library's (blocked_in): no deadline of ours
         # The publisher's client of the store (a clone, made on first use), which no request
         # of this rank's main thread holds up: [Note: fresh entries].
         self.own_store: Store | None = None
@@ -292,6 +298,23 @@ def wait(work: dist.Work, event: Event, device: torch.device, phase: str = "") -
     state.waiting = None
 
 
+@contextmanager
+def blocked_in(event: Event, device: torch.device) -> Iterator[None]:
+    """The rank is blocked in ``event`` while the block runs: a collective another library
+    waits on (DTensor's), where fsdp2 sets no deadline. The publisher logs the report once the
+    wait passes ``FSDP2_COLLECTIVE_TIMEOUT`` (``_watch``); the backend's own timeout ends it. On
+    an accelerator the host does not block there: nothing to watch."""
+    if device.type != "cpu":
+        yield
+        return
+    state = event.rank
+    state.waiting, state.untimed = (event, time.time()), True
+    try:
+        yield
+    finally:
+        state.waiting, state.untimed = None, False
+
+
 # ---------------------------------------------------------------------------------------------
 # Publishing
 # ---------------------------------------------------------------------------------------------
@@ -323,8 +346,10 @@ def _live_states() -> list[_Rank]:
 def _watch(state: _Rank) -> None:
     """A wait without a deadline (its backend rejects one) that has passed it: log the hang
     report, once per wait. The wait itself goes on, until the backend's own timeout."""
-    waiting = state.waiting
-    if waiting is None or id(waiting) == state.warned or waits.is_timed(waiting[0].group):
+    waiting, untimed = state.waiting, state.untimed
+    if waiting is None or id(waiting) == state.warned:
+        return
+    if not untimed and waits.is_timed(waiting[0].group):
         return
     if time.time() - waiting[1] < timeout_s():
         return
@@ -333,10 +358,11 @@ def _watch(state: _Rank) -> None:
         report = _report(waiting[0], "")
     except Exception:  # the rank's world is thread-local (threaded process group): not ours
         return
+    whose = "DTensor waits" if untimed else "This backend's works reject a finite timeout"
     logger.error(
-        "%s\nThis backend's works reject a finite timeout: fsdp2 cannot end the wait, which "
-        "goes on until the backend's own timeout.",
+        "%s\n%s: fsdp2 cannot end the wait, which goes on until the backend's own timeout.",
         report,
+        whose,
     )
 
 

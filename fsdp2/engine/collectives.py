@@ -1,12 +1,13 @@
 """The seam every collective of fsdp2 passes through: all-gather, reduce-scatter, all-reduce and
-all-to-all (the last for matrix optimizers, :mod:`fsdp2.optim`).
+all-to-all (the last for matrix optimizers, :mod:`fsdp2.optim`), and DTensor's redistributions.
 
 Every collective goes through :func:`all_gather`, :func:`all_gather_in_place` (several outputs
-gathered in place as one, for ``iter_full_weights``), :func:`reduce_scatter`, :func:`all_reduce`
-or :func:`all_to_all`, the seam where the hang report notes it, the opt-in checks compare it
-across ranks, and :func:`record_collectives` observes it (tests count them, benchmarks sum
-bytes). Only this file and the pluggable collectives in ``comm.py`` (which the seam calls in
-place of its default) issue ``torch.distributed`` collectives.
+gathered in place as one, for ``iter_full_weights``), :func:`reduce_scatter`, :func:`all_reduce`,
+:func:`all_to_all` or :func:`redistribute`, the seam where the hang report notes it, the opt-in
+checks compare it across ranks, and :func:`record_collectives` observes it (tests count them,
+benchmarks sum bytes). Only this file and the pluggable collectives in ``comm.py`` (which the
+seam calls in place of its default) issue ``torch.distributed`` collectives; DTensor issues the
+ones :func:`redistribute` runs.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Literal, TypeVar, cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
 
 from fsdp2.debug import checks, hang, switches
 from fsdp2.debug.waiting import is_gloo
@@ -38,14 +41,16 @@ __all__ = [
     "forget_deferred_checks",
     "record",
     "record_collectives",
+    "redistribute",
     "reduce_scatter",
     "run_deferred_checks",
 ]
 
 # "agree": the small exchanges that make every rank raise alike (agreement.py), at init only.
 # "check": the fingerprint exchanges of the collective checks (checks.py), opt-in.
+# "redistribute": DTensor's change of a tensor's placements (:func:`redistribute`).
 CollectiveKind = Literal[
-    "all_gather", "reduce_scatter", "all_reduce", "all_to_all", "agree", "check"
+    "all_gather", "reduce_scatter", "all_reduce", "all_to_all", "agree", "check", "redistribute"
 ]
 
 
@@ -55,6 +60,8 @@ class CollectiveRecord:
 
     Attributes:
         kind: ``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"``, ``"all_to_all"``;
+            ``"redistribute"`` for DTensor's change of a tensor's placements, one record per
+            mesh dim whose placement changes (with the whole local input and output);
             ``"agree"`` for the small exchanges that make every rank raise alike (at
             ``fully_shard`` and at the first forward), ``"check"`` for the collective checks'
             fingerprints.
@@ -322,6 +329,44 @@ def all_reduce(
     return Pending(work, event, tensor.device, handed=handed)
 
 
+_R = TypeVar("_R")
+
+
+def redistribute(
+    value: DTensor, target: Sequence[Placement], label: str, run: Callable[[], _R]
+) -> _R:
+    """``run()``, a DTensor call that lays ``value`` out as ``target`` on its mesh (a
+    ``redistribute``; a ``full_tensor``: all ``Replicate``), seen by the seam. DTensor plans and
+    issues its collectives (several dims, uneven and strided shards: a planner of ours would be
+    a second one to keep in step). The seam notes a "redistribute" per mesh dim that changes
+    from other than ``Replicate``, on its group, sized as the global tensor (the same on every
+    rank), checks it (opt-in), and records it once ``run`` returned. Meanwhile the rank is
+    "blocked in" the first one, without fsdp2's deadline: the hang report is logged when it
+    passes, the backend's timeout ends the wait. No change: ``run()`` alone."""
+    mesh = value.device_mesh  # from Replicate every placement is a local cut
+    groups = [
+        mesh.get_group(dim)
+        for dim, (have, want) in enumerate(zip(value.placements, target, strict=True))
+        if have != want and not have.is_replicate()
+    ]
+    if not groups:
+        return run()
+    local = value._local_tensor
+    whole = torch.empty(value.shape, dtype=value.dtype, device="meta")
+    events = [
+        _note("redistribute", label, whole, whole, group, local.device, record=False)
+        for group in groups
+    ]
+    with hang.blocked_in(events[0], local.device):
+        out = run()
+    if _recorders:
+        got = out._local_tensor if isinstance(out, DTensor) else out
+        if isinstance(got, torch.Tensor):
+            for group in groups:
+                _record("redistribute", label, local, got, group)
+    return out
+
+
 def _note(
     kind: CollectiveKind,
     label: str,
@@ -329,9 +374,10 @@ def _note(
     out: torch.Tensor,
     group: dist.ProcessGroup,
     device: torch.device | None = None,
+    record: bool = True,
 ) -> hang.Event:
     """Before issuing: the deferred checks, the event ring (always), the cross-rank check
-    (opt-in, on ``device``: ``inp``'s unless given), the records."""
+    (opt-in, on ``device``: ``inp``'s unless given), the records (unless ``record`` is off)."""
     if _deferred:
         run_deferred_checks()
     event = hang.note(kind, label, inp, group)
@@ -342,7 +388,7 @@ def _note(
             for records in _recorders:
                 records.append(check)
         checks.verify(event, device or inp.device, _gather_handed)
-    if _recorders:
+    if _recorders and record:
         _record(kind, label, inp, out, group)
     return event
 

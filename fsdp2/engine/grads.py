@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor.placement_types import Placement
 
-from fsdp2.engine.collectives import all_reduce
+from fsdp2.engine.collectives import all_reduce, redistribute
 from fsdp2.engine.param import FSDPParam
 
 __all__ = [
@@ -151,8 +151,10 @@ def local_grad(fsdp_param: FSDPParam, grad: torch.Tensor, label: str) -> torch.T
     if summed is not None:
         return summed
     # Any other change of layout (a Partial to a Shard, several dims at once) is DTensor's to
-    # plan: its collectives bypass the seam (not recorded, not in the hang report).
-    return grad.redistribute(spec.mesh, target)._local_tensor
+    # plan and issue; the seam notes it.
+    return redistribute(
+        grad, target, label, lambda: grad.redistribute(spec.mesh, target)._local_tensor
+    )
 
 
 def _summed_through_seam(

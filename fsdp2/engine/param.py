@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -26,6 +26,7 @@ from torch.utils import dlpack
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fsdp2.engine.chunk import Chunk, chunk_of, piece_sizes
+from fsdp2.engine.collectives import redistribute
 from fsdp2.engine.extension import (
     ExtensionState,
     contiguous_strides,
@@ -368,10 +369,11 @@ class FSDPParam:
         """The parameter's current values in the shape its layout works on: under tensor
         parallelism this rank's piece (what ``fully_shard`` reads from a DTensor parameter),
         not the whole tensor. Every rank of the shard group calls it (a collective)."""
-        sharded = self.sharded_param.detach()
+        sharded = cast(DTensor, self.sharded_param.detach())
         if sharded.device.type == "meta":
             return torch.empty(self.shape, dtype=self.dtype, device="meta")
-        full: torch.Tensor = sharded.full_tensor()  # type: ignore[attr-defined]
+        replicated = [Replicate()] * sharded.device_mesh.ndim
+        full = redistribute(sharded, replicated, self.fqn, sharded.full_tensor)
         spec = self.outer_spec
         if spec is None:
             return full

@@ -32,8 +32,9 @@ from typing import Any, cast
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
+from fsdp2.engine.collectives import redistribute
 from fsdp2.engine.param import FSDPParam
 from fsdp2.engine.param_group import FSDPParamGroup
 from fsdp2.engine.state import FSDPState
@@ -108,9 +109,11 @@ def _as_shard(value: torch.Tensor, fsdp_param: FSDPParam) -> torch.Tensor:
         return value
     mesh, placements = target.device_mesh, target.placements
     if isinstance(value, DTensor):
-        if value.device_mesh == mesh:
-            return value.redistribute(mesh, placements)  # no-op in the same layout
-        value = value.full_tensor()  # another mesh: go through the full tensor
+        got, label = value, fsdp_param.fqn
+        if got.device_mesh == mesh:  # no collective in the same layout
+            return redistribute(got, placements, label, lambda: got.redistribute(mesh, placements))
+        # Another mesh: go through the full tensor.
+        value = redistribute(got, [Replicate()] * got.device_mesh.ndim, label, got.full_tensor)
     if value.device.type == "meta":
         return value  # nothing to slice; copying from meta is nn.Module's to refuse
     # A model still on meta keeps the value's device: load_state_dict(assign=True) materialises.

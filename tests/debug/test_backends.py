@@ -32,7 +32,7 @@ if __package__ in (None, ""):  # run as a script by torchrun: make `tests` impor
     _repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.path.insert(0, _repo)
 
-from tests.hang_scenarios import normalise
+from tests.hang_scenarios import logged_report, normalise
 from tests.harness import IMPL_UNDER_TEST, launch, run_on_ranks
 from tests.parity import ParityConfig
 
@@ -321,13 +321,7 @@ class TestHangWithoutDeadline(expecttest.TestCase):
         untimed wait: the hang report is logged at FSDP2_COLLECTIVE_TIMEOUT, and the backend's
         own timeout ends the wait, as CollectiveFailedError with the same per-rank lines."""
         proc = launch(__file__, 2, "hang", timeout=120)
-        lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-        assert len(lines) == 1, proc.stdout + proc.stderr
-        (line,) = lines
-        reports = [(t, m) for t, m in line["logged"] if "FSDP2_COLLECTIVE_TIMEOUT) for" in m]
-        assert len(reports) == 1, line["logged"]
-        when, report = reports[0]
-        assert HANG_TIMEOUT_S <= when < BACKEND_TIMEOUT_S, line["logged"]
+        line, report = logged_report(proc, HANG_TIMEOUT_S, BACKEND_TIMEOUT_S)
         assert BACKEND_TIMEOUT_S <= line["seconds"] < BACKEND_TIMEOUT_S + 5, line
         self.assertExpectedInline(
             normalise(report),
