@@ -22,10 +22,10 @@ MAX_FILE_LINES = 450
 # interface and what moved in from api.py (claims.py, reshard-to-k's checks in modes/).
 # Session 22: +44 for state taken from another thread (issue 42: state_dict.py's after_save,
 # FSDPModule.named_parameters and its refusal of a load mid-step, IterContext.thread).
-# Session 23: consistent_state (engine/steps.py, 5,374). Session 24: +36 for DTensor's
+# Session 23: consistent_state (engine/steps.py, 5,374). Session 24: +39 for DTensor's
 # redistributions through the seam (collectives.redistribute; issue 41's "every collective
 # passes the seam").
-MAX_ENGINE_CODE_LINES = 5_410
+MAX_ENGINE_CODE_LINES = 5_413
 
 
 def test_no_engine_file_is_longer_than_450_lines() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor.placement_types import Placement
 
@@ -150,11 +151,16 @@ def local_grad(fsdp_param: FSDPParam, grad: torch.Tensor, label: str) -> torch.T
     summed = _summed_through_seam(grad, target, label)
     if summed is not None:
         return summed
-    # Any other change of layout (a Partial to a Shard, several dims at once) is DTensor's to
-    # plan and issue; the seam notes it.
-    return redistribute(
-        grad, target, label, lambda: grad.redistribute(spec.mesh, target)._local_tensor
-    )
+    return _laid_out_by_dtensor(grad, spec.mesh, target, label)
+
+
+def _laid_out_by_dtensor(
+    grad: DTensor, mesh: DeviceMesh, target: tuple[Placement, ...], label: str
+) -> torch.Tensor:
+    """Any other change of layout (a Partial to a Shard, several dims at once): DTensor's to
+    plan and issue, the seam's to note. (Its own function: a closure in ``local_grad`` would
+    turn that function's locals into cells, a cost on every gradient.)"""
+    return redistribute(grad, target, label, lambda: grad.redistribute(mesh, target)._local_tensor)
 
 
 def _summed_through_seam(
