@@ -38,8 +38,9 @@ Backends without a deadline (``waiting.py``): where a process group's works reje
 ``wait(timeout)`` (torch's threaded process group, many out-of-tree backends), fsdp2 waits
 without one; the publisher thread then logs the report once a wait passes the deadline, and the
 backend's own timeout ends it. The same holds for DTensor's redistributions, whatever the backend:
-DTensor waits on them (``collectives.redistribute``). Any error the backend raises from a wait (gloo's "Connection closed
-by peer" when a rank exited) becomes :class:`CollectiveFailedError`, with the same per-rank lines.
+DTensor waits on them (``collectives.redistribute``). Any error the backend raises from a wait
+(gloo's "Connection closed by peer" when a rank exited) becomes :class:`CollectiveFailedError`,
+with the same per-rank lines.
 
 CUDA: NCCL's ``work.wait()`` only makes the current stream wait; the host never blocks there,
 so no deadline applies and the report is not raised (NCCL's own watchdog ends the job at the
