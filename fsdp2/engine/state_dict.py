@@ -110,7 +110,7 @@ def _as_shard(value: torch.Tensor, fsdp_param: FSDPParam) -> torch.Tensor:
     mesh, placements = target.device_mesh, target.placements
     if isinstance(value, DTensor):
         got, label = value, fsdp_param.fqn
-        if got.device_mesh == mesh:  # no collective in the same layout
+        if got.device_mesh == mesh:  # the same mesh: no collective where the layout is too
             return redistribute(got, placements, label, lambda: got.redistribute(mesh, placements))
         # Another mesh: go through the full tensor.
         value = redistribute(got, [Replicate()] * got.device_mesh.ndim, label, got.full_tensor)
