@@ -144,6 +144,47 @@ def test_nothing_imports_upward() -> None:
     assert not upward, "imports from a higher layer:\n" + "\n".join(upward)
 
 
+# The seam (CONTRIBUTING, "One seam to the process group"): only these files call collectives.
+# Traced mode's are ops of the compiled graph (torch.ops._c10d_functional), not fsdp2's calls.
+SEAM = {"engine/collectives.py", "engine/comm.py", "engine/traced.py"}
+COLLECTIVES = {
+    "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
+    "all_reduce", "all_reduce_coalesced", "all_to_all", "all_to_all_single", "barrier",
+    "batch_isend_irecv", "broadcast", "broadcast_object_list", "gather", "gather_object",
+    "irecv", "isend", "monitored_barrier", "recv", "reduce", "reduce_scatter",
+    "reduce_scatter_single", "reduce_scatter_tensor", "scatter", "scatter_object_list", "send",
+}  # fmt: skip
+
+
+def collective_calls(source: str) -> list[str]:
+    """``dist.all_reduce(...)``-style calls in ``source``: a collective's name called on a module
+    or an alias (``dist``, ``torch.distributed``, ``_c10d``...), the seam's own names aside."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        owner = ast.unparse(node.func.value)
+        if node.func.attr in COLLECTIVES and (
+            owner in {"dist", "c10d", "_c10d"} or "distributed" in owner
+        ):
+            found.append(f"line {node.lineno}: {ast.unparse(node.func)}")
+    return found
+
+
+def test_only_the_seam_calls_collectives() -> None:
+    """A collective outside the seam has no deadline, no hang report, no check, no record (the
+    takers' agreement of ``consistent_state`` was one: a bare ``dist.all_reduce``)."""
+    found = [
+        f"{path.relative_to(PACKAGE)} {call}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if str(path.relative_to(PACKAGE)) not in SEAM
+        for call in collective_calls(path.read_text())
+    ]
+    assert not found, "collectives called outside engine/collectives.py:\n" + "\n".join(found)
+    seen = collective_calls("dist.all_reduce(t)\ntorch.distributed.barrier()\nx.all_reduce(t)\n")
+    assert seen == ["line 1: dist.all_reduce", "line 2: torch.distributed.barrier"], seen
+
+
 def test_the_check_sees_a_cycle_and_an_upward_import() -> None:
     edges = {
         "fsdp2.engine.a": {"fsdp2.engine.b"},

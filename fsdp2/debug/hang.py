@@ -3,7 +3,7 @@
 [Note: the hang report]
 Every collective fsdp2 issues is noted as an :class:`Event` (op, module label, size, the
 per-process-group sequence number) in a short ring: a few attribute writes, no I/O. A daemon
-thread publishes this rank's latest events, and the collective it is blocked in if any, to the
+thread publishes this rank's latest events, and the collectives its threads are blocked in, to the
 job's c10d store (the default process group's store, which every job already has) at most every
 ``FSDP2_COLLECTIVE_TIMEOUT / 4`` seconds (30 at most), only when something changed: the default
 path writes nothing per collective and issues no extra collective.
@@ -31,7 +31,9 @@ that exited wrote its last entry then: it needs no answer. The cost: one small s
 rank per poll period, nothing per collective.
 
 A rank's state is per rank, not per process: on torch's multi-threaded process group the ranks
-are threads of one process, each with its own ring, counts and store entry. At interpreter exit
+are threads of one process, each with its own ring, counts and store entry. A rank's waits are
+per thread: a thread taking state off the training thread (``consistent_state``) may wait in a
+collective of its own while the training thread waits in the step's. At interpreter exit
 a rank publishes that it exited, so a peer still waiting for it can say so.
 
 Backends without a deadline (``waiting.py``): where a process group's works reject a finite
@@ -137,6 +139,10 @@ class Event:
         }
 
 
+# A thread's wait: the collective, since when, and whether it is another library's (untimed).
+_Wait = tuple[Event, float, bool]
+
+
 class _Rank:
     """One rank's recent collectives and where it publishes them. One per process; one per
     thread on torch's multi-threaded process group, whose ranks are threads of one process (a
@@ -144,7 +150,7 @@ class _Rank:
 
     __slots__ = (
         "__weakref__", "answered", "counts", "exited", "last", "own_store", "polled",
-        "published", "rank", "ring", "store", "untimed", "waiting", "warned",
+        "published", "rank", "ring", "store", "waits", "warned",
     )  # fmt: skip
 
     def __init__(self, rank: int, store: Store | None) -> None:
@@ -154,25 +160,30 @@ class _Rank:
         # Collectives issued per process group, by name: keyed by the group itself, this would
         # keep every destroyed group alive.
         self.counts: dict[str, int] = {}
-        self.waiting: tuple[Event, float] | None = None  # the collective it is blocked in, since
+        # Per thread (its ident): the collective it is blocked in, since when, and whether the
+        # wait is another library's (blocked_in: no deadline of ours). Per thread, since a
+        # thread taking state (consistent_state) may wait while the training thread does.
+        self.waits: dict[int, _Wait] = {}
         self.exited: dict[str, Any] | None = None  # set at interpreter exit
         self.published: tuple[int, int] | None = None  # what was last published (marker), when
         self.last = 0.0
-        self.warned = 0  # id of the untimed wait last logged (_watch): not the wait, its group
-        self.untimed = False  # the wait is another library's (blocked_in): no deadline of ours
+        self.warned: set[int] = set()  # ids of the untimed waits logged (_watch), while they last
         # The publisher's client of the store (a clone, made on first use), which no request
         # of this rank's main thread holds up: [Note: fresh entries].
         self.own_store: Store | None = None
         self.answered = 0  # the latest ask (the value of _ASKED) an entry of it answered
         self.polled = 0.0  # when the publisher last read _ASKED (monotonic)
 
+    def blocked(self) -> list[_Wait]:
+        """Every thread's wait, the longest first."""
+        return sorted(self.waits.values(), key=lambda w: w[1])  # values(): one atomic copy
+
     def entry(self) -> dict[str, Any]:
-        waiting = self.waiting
         return {
             "time": time.time(),
             "counts": dict(self.counts),
             "recent": [e.as_dict() for e in list(self.ring)[-_PUBLISHED:]],
-            "waiting": None if waiting is None else {**waiting[0].as_dict(), "since": waiting[1]},
+            "waiting": [{**event.as_dict(), "since": since} for event, since, _ in self.blocked()],
             "exited": self.exited,
             "answered": self.answered,
         }
@@ -181,7 +192,7 @@ class _Rank:
         """What was last published, by identity only: holding the event itself would keep its
         process group alive after ``destroy_process_group`` until the next publish (up to
         ``_interval()`` later)."""
-        return (id(self.ring[-1]) if self.ring else 0, id(self.waiting) if self.waiting else 0)
+        return (id(self.ring[-1]) if self.ring else 0, hash(tuple(map(id, self.blocked()))))
 
     def publish(self, store: Store | None = None) -> None:
         """Write this rank's entry, through ``store`` (the publisher's own client) or the
@@ -279,9 +290,9 @@ def wait(work: dist.Work, event: Event, device: torch.device, phase: str = "") -
     if device.type != "cpu":  # an accelerator: wait() only orders streams, never blocks
         work.wait()
         return
-    state = event.rank
+    state, me = event.rank, threading.get_ident()
     started = time.time()
-    state.waiting = (event, started)
+    state.waits[me] = (event, started, False)
     # A wait that ends in our error leaves the rank "blocked in" the collective for its peers'
     # reports: the group is unusable after it, and a peer whose deadline passes a moment later
     # reads the same line whether this rank has raised yet or not (its answer is fresh).
@@ -290,13 +301,13 @@ def wait(work: dist.Work, event: Event, device: torch.device, phase: str = "") -
     except Exception as e:
         raise CollectiveFailedError(_failure(event, phase, e)) from e
     except BaseException:  # interrupted (KeyboardInterrupt): no longer in it
-        state.waiting = None
+        state.waits.pop(me, None)
         raise
     if not finished:
         state.publish()
         # asks the peers: fresh entries
         raise CollectiveTimeoutError(_report(event, phase, time.time() - started))
-    state.waiting = None
+    state.waits.pop(me, None)
 
 
 @contextmanager
@@ -308,12 +319,12 @@ def blocked_in(event: Event, device: torch.device) -> Iterator[None]:
     if device.type != "cpu":
         yield
         return
-    state = event.rank
-    state.waiting, state.untimed = (event, time.time()), True
+    state, me = event.rank, threading.get_ident()
+    state.waits[me] = (event, time.time(), True)
     try:
         yield
     finally:
-        state.waiting, state.untimed = None, False
+        state.waits.pop(me, None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,24 +358,25 @@ def _live_states() -> list[_Rank]:
 def _watch(state: _Rank) -> None:
     """A wait without a deadline (its backend rejects one) that has passed it: log the hang
     report, once per wait. The wait itself goes on, until the backend's own timeout."""
-    waiting, untimed = state.waiting, state.untimed
-    if waiting is None or id(waiting) == state.warned:
-        return
-    if not untimed and waits.is_timed(waiting[0].group):
-        return
-    if time.time() - waiting[1] < timeout_s():
-        return
-    state.warned = id(waiting)
-    try:
-        report = _report(waiting[0], "")
-    except Exception:  # the rank's world is thread-local (threaded process group): not ours
-        return
-    whose = "DTensor waits" if untimed else "This backend's works reject a finite timeout"
-    logger.error(
-        "%s\n%s: fsdp2 cannot end the wait, which goes on until the backend's own timeout.",
-        report,
-        whose,
-    )
+    blocked = state.blocked()
+    state.warned &= {id(w) for w in blocked}  # forget the waits that ended
+    for w in blocked:
+        event, since, untimed = w
+        if id(w) in state.warned or (not untimed and waits.is_timed(event.group)):
+            continue
+        if time.time() - since < timeout_s():
+            continue
+        state.warned.add(id(w))
+        try:
+            report = _report(event, "")
+        except Exception:  # the rank's world is thread-local (threaded process group): not ours
+            return
+        whose = "DTensor waits" if untimed else "This backend's works reject a finite timeout"
+        logger.error(
+            "%s\n%s: fsdp2 cannot end the wait, which goes on until the backend's own timeout.",
+            report,
+            whose,
+        )
 
 
 def _at_exit() -> None:
@@ -467,8 +479,10 @@ def _whereabouts(entry: dict[str, Any], now: float) -> str:
     if exited is not None:  # first: a rank that raised from a wait still names it as waiting
         where = f"its process EXITED {now - exited['time']:.1f} s ago ({exited['how']})"
         where += f", after issuing {describe(last)}" if last else ""
-    elif waiting is not None:
-        where = f"blocked in {describe(waiting)} for {now - waiting['since']:.1f} s"
+    elif waiting:  # the longest wait first, then any other thread's
+        where = "blocked in " + ", and in ".join(
+            f"{describe(w)} for {now - w['since']:.1f} s" for w in waiting
+        )
     elif last is None:
         where = "has issued no fsdp2 collective"
     else:
@@ -503,8 +517,7 @@ def _rank_line(
         e for e in entry["recent"] if e["group"] == target["group"] and e["seq"] == target["seq"]
     ]
     if same and describe(same[0]) != describe(target):
-        waiting = entry["waiting"]
-        if waiting is not None and describe(waiting) == describe(same[0]):
+        if any(describe(w) == describe(same[0]) for w in entry["waiting"]):
             return f"rank {rank}: DIFFERENT collective: {where}"
         return f"rank {rank}: DIFFERENT collective, issued {describe(same[0])}; {where}"
     return f"rank {rank}: issued it; {where}"

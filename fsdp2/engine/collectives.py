@@ -12,6 +12,7 @@ ones :func:`redistribute` runs.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,23 +29,10 @@ from fsdp2.engine.handover import alias, drop, hand, settle_later
 from fsdp2.engine.releases import RULES
 
 __all__ = [
-    "CollectiveKind",
-    "CollectiveRecord",
-    "Pending",
-    "agree_ints",
-    "agree_objects",
-    "all_gather",
-    "all_gather_in_place",
-    "all_reduce",
-    "all_to_all",
-    "defer_check",
-    "forget_deferred_checks",
-    "record",
-    "record_collectives",
-    "redistribute",
-    "reduce_scatter",
-    "run_deferred_checks",
-]
+    "CollectiveKind", "CollectiveRecord", "Pending", "agree_ints", "agree_objects", "all_gather",
+    "all_gather_in_place", "all_reduce", "all_to_all", "defer_check", "forget_deferred_checks",
+    "record", "record_collectives", "redistribute", "reduce_scatter", "run_deferred_checks",
+]  # fmt: skip
 
 # "agree": the small exchanges that make every rank raise alike (agreement.py), at init only.
 # "check": the fingerprint exchanges of the collective checks (checks.py), opt-in.
@@ -85,18 +73,22 @@ _recorders: list[list[CollectiveRecord]] = []
 # Checks of collectives an accelerator has not finished (a coalesced gather's headers,
 # coalesce.py): run before the next collective is issued, so that ranks that diverged raise
 # before they could issue mismatched ones, and at the end of a forward and of a backward. Run at
-# the gather's own wait they would stall the host until the device's whole queue drained.
+# the gather's own wait they would stall the host until the device's whole queue drained. Only
+# the thread that deferred them (the training thread) runs them: not a thread taking state.
 _deferred: list[Callable[[], None]] = []
+_deferred_on = 0  # that thread's ident
 
 
 def defer_check(check: Callable[[], None]) -> None:
+    global _deferred_on
+    _deferred_on = threading.get_ident()
     _deferred.append(check)
 
 
 def run_deferred_checks() -> None:
     """Run the deferred checks (each may block until its collective finished); the first to
     fail raises, and the rest are dropped: every rank raises at the same one."""
-    if _deferred:
+    if _deferred and _deferred_on == threading.get_ident():
         pending = list(_deferred)
         _deferred.clear()
         for check in pending:

@@ -19,7 +19,8 @@ the training step:
 - entering it takes a *hold* at the step this rank is at (one in flight counts as done: it
   ends, it is not waited for at the door), so no later step begins here;
 - with a process group, the takers of all ranks agree on the largest of their holds (one
-  all-reduce on the takers' group, never the training one): a rank behind steps up to it,
+  all-reduce on the takers' group, never the training one, through the seam: a peer's taker
+  that never comes gets the hang report): a rank behind steps up to it,
   which its peers' training can always let it do, since ranks train in lockstep and a step
   its peers completed needs nothing more from them (distributed Muon's collectives included);
 - the copy starts when no step is in flight and the agreed one has completed.
@@ -49,8 +50,11 @@ from torch.optim.optimizer import (
 )
 
 from fsdp2.debug.waiting import timeout_s
+from fsdp2.engine.collectives import all_reduce
 
-__all__ = ["consistent_state", "optimizer_steps", "watch_optimizer_steps"]
+__all__ = ["TAKER_LABEL", "consistent_state", "optimizer_steps", "watch_optimizer_steps"]
+
+TAKER_LABEL = "consistent_state"  # the label of the takers' agreement in record_collectives()
 
 _cond = threading.Condition()
 _steps = 0  # completed (outermost) optimizer steps
@@ -188,8 +192,10 @@ def consistent_state(process_group: dist.ProcessGroup | None = None) -> Iterator
         _holds.append(hold)
     try:
         if process_group is not None:
+            # Through the seam: a peer's taker that never comes gets the hang report at the
+            # deadline, not a wait as long as the backend's own timeout.
             agreed = torch.tensor([hold[0]], dtype=torch.int64)
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=process_group)
+            all_reduce(agreed, process_group, TAKER_LABEL, dist.ReduceOp.MAX).wait()
             with _cond:
                 hold[0] = int(agreed.item())
                 _cond.notify_all()  # a rank behind may take the steps up to it
