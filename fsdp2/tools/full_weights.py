@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
-from fsdp2.engine.collectives import agree_ints, all_gather_in_place
+from fsdp2.engine.collectives import agree_ints, all_gather_in_place, redistribute
 from fsdp2.tools.weight_plan import Bucket, WeightItem, agreement_groups, plan_buckets
 
 __all__ = ["iter_full_weights", "walk"]
@@ -274,7 +274,8 @@ class _Bucket:
         dtensor = DTensor.from_local(
             local, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride
         )
-        return dtensor.full_tensor()
+        everywhere = [Replicate()] * spec.mesh.ndim
+        return redistribute(dtensor, everywhere, item.name, dtensor.full_tensor)
 
 
 def _shares(value: torch.Tensor, out: torch.Tensor) -> bool:

@@ -199,8 +199,21 @@ def _tensor_parallel() -> None:
     for block in model.blocks:
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
-    _check(model, bucket_bytes=2_000)
+    from fsdp2 import record_collectives
+
+    with record_collectives() as records:
+        _check(model, bucket_bytes=2_000)
     _check(model, rank=1, dtype=torch.bfloat16)
+    # Each tensor-parallel weight's full tensor over the tp dim passes the seam (the hang
+    # report, the checks): one "redistribute" each, on the tp group, named by its FQN.
+    tp_sharded = sorted(
+        name
+        for name, p in model.named_parameters()
+        if any(not x.is_replicate() for x in p._spec.placements[1:])  # type: ignore[attr-defined]
+    )
+    seen = [(r.label, r.group) for r in records if r.kind == "redistribute"]
+    assert sorted(label for label, _ in seen) == tp_sharded, seen
+    assert {group for _, group in seen} == {mesh.get_group("tp").group_name}, seen
 
 
 def test_tensor_parallel() -> None:
