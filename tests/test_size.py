@@ -25,7 +25,10 @@ MAX_FILE_LINES = 450
 # Session 23: consistent_state (engine/steps.py, 5,374). Session 24: +39 for DTensor's
 # redistributions through the seam (collectives.redistribute; issue 41's "every collective
 # passes the seam").
-MAX_ENGINE_CODE_LINES = 5_413
+# Session 25: 5,406 after consistent_state's agreement through the seam; +27 for each mode's
+# collectives in its own plan (modes/, read by the planner, whose restatement of them went:
+# tools/planner/estimate.py -28 lines).
+MAX_ENGINE_CODE_LINES = 5_433
 
 
 def test_no_engine_file_is_longer_than_450_lines() -> None:

@@ -11,14 +11,15 @@ package tests which mode a group runs.
 - ``HFSDP`` (``memory_mode="hfsdp"``, hfsdp.py): gathers and reduces in two levels.
 
 A new mode is a file here (a subclass of ``Mode``: its checks at ``fully_shard``, its gather
-input, what it keeps and when that is stale, its planner bytes, what traced mode cannot do),
+input, what it keeps and when that is stale, its plan: bytes kept and the collectives of its
+gathers and reductions, what traced mode cannot do),
 its entry in ``MODES``, and its tests (CONTRIBUTING.md, "Modes are classes").
 """
 
 from __future__ import annotations
 
 from fsdp2.engine.mesh import MeshInfo
-from fsdp2.engine.modes.base import GatherInput, KeptPlan, Mode, Zero3
+from fsdp2.engine.modes.base import GatherInput, Mode, ModePlan, Zero3
 from fsdp2.engine.modes.hfsdp import HFSDP
 from fsdp2.engine.modes.reshard_to_k import ReshardToK
 from fsdp2.engine.modes.zero2 import Zero2
@@ -27,8 +28,8 @@ __all__ = [
     "HFSDP",
     "MODES",
     "GatherInput",
-    "KeptPlan",
     "Mode",
+    "ModePlan",
     "ReshardToK",
     "Zero2",
     "Zero3",

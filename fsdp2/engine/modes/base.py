@@ -22,8 +22,9 @@ from fsdp2.engine.steps import optimizer_steps
 __all__ = [
     "AllGatherFn",
     "GatherInput",
-    "KeptPlan",
     "Mode",
+    "ModePlan",
+    "Planned",
     "Zero3",
     "shard_key",
     "snapshot_bytes",
@@ -42,12 +43,32 @@ class GatherInput(NamedTuple):
     replicas: int = 1  # >1: the output comes shard-rank-major over this many replicas (hfsdp)
 
 
-class KeptPlan(NamedTuple):
-    """What the planner counts for a mode (bytes per rank)."""
+class Planned(NamedTuple):
+    """One collective of the planner's step, per rank, as ``record_collectives()`` sizes it."""
+
+    kind: str
+    input_nbytes: int
+    output_nbytes: int
+    world_size: int
+
+
+def planned_gather(send: int, world: int) -> Planned:
+    """An all-gather of ``send`` bytes from each of ``world`` ranks."""
+    return Planned("all_gather", send, send * world, world)
+
+
+class ModePlan(NamedTuple):
+    """What the planner counts for a mode (bytes per rank): what it keeps, and the collectives
+    of its gathers and reductions, stated here beside the code that issues them."""
 
     kept_bytes: int = 0  # held between steps: a kept copy and the snapshot it is checked against
     replica_world: int = 0  # hfsdp: the replicas of its first-level gather (0: one level)
     copy_extra_bytes: int = 0  # hfsdp: the transposed copy-out's buffer
+    forward_gathers: tuple[Planned, ...] = ()  # one unshard's collectives in forward
+    backward_gathers: tuple[Planned, ...] = ()  # and in backward, after a reshard
+    # The process groups' sizes of the reduce-scatter's levels, first to last: each level's
+    # output is its input over its size.
+    reduce_worlds: tuple[int, ...] = ()
 
 
 def shard_key(layout: FlatLayout) -> tuple[int, int]:
@@ -144,9 +165,13 @@ class Mode:
         """The (replicate, shard) groups to reduce-scatter over in two levels (hfsdp)."""
         return None
 
-    def plan(self, layout: FlatLayout, shard_size: int) -> KeptPlan:
-        """The planner's view of what this mode keeps (groups built on meta)."""
-        return KeptPlan()
+    def plan(self, layout: FlatLayout, shard_size: int) -> ModePlan:
+        """The planner's view of this mode (groups built on meta): every gather over the shard
+        dim, from the flat shard; one reduce-scatter over it."""
+        gather = planned_gather(layout.send_bytes, shard_size)
+        return ModePlan(
+            forward_gathers=(gather,), backward_gathers=(gather,), reduce_worlds=(shard_size,)
+        )
 
     def __repr__(self) -> str:
         return type(self).__name__

@@ -27,8 +27,10 @@ from fsdp2.engine.mesh import MeshInfo, hfsdp_info
 from fsdp2.engine.modes.base import (
     AllGatherFn,
     GatherInput,
-    KeptPlan,
     Mode,
+    ModePlan,
+    Planned,
+    planned_gather,
     shard_key,
     snapshot_bytes,
 )
@@ -117,14 +119,24 @@ class HFSDP(Mode):
     def reduce_levels(self) -> tuple[dist.ProcessGroup, dist.ProcessGroup] | None:
         return self.levels
 
-    def plan(self, layout: FlatLayout, shard_size: int) -> KeptPlan:
+    def plan(self, layout: FlatLayout, shard_size: int) -> ModePlan:
         if shard_size == 1:
-            return KeptPlan()
+            return super().plan(layout, shard_size)
         replicas, send = self.levels[0].size(), layout.send_bytes
-        return KeptPlan(
+        # The first micro-batch's after an optimizer step: over the replicas in forward (the
+        # copy kept), in backward the ranks' 4-byte agreement that it is current (kept.py);
+        # then over the shard dim. Two reduce-scatter levels where both span several ranks.
+        second = planned_gather(send * replicas, shard_size // replicas)
+        first = planned_gather(send, replicas)
+        agree = Planned("all_reduce", 4, 4, replicas)
+        one_level = replicas in (1, shard_size)
+        return ModePlan(
             kept_bytes=replicas * send + snapshot_bytes(layout),
             replica_world=replicas,
             copy_extra_bytes=shard_size * send,
+            forward_gathers=(second,) if replicas == 1 else (first, second),
+            backward_gathers=(second,) if replicas == 1 else (agree, second),
+            reduce_worlds=(shard_size,) if one_level else (shard_size // replicas, replicas),
         )
 
 

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from fsdp2.engine.layout import FlatLayout
 from fsdp2.engine.mesh import MeshInfo
-from fsdp2.engine.modes.base import AllGatherFn, GatherInput, Mode, Zero3
+from fsdp2.engine.modes.base import AllGatherFn, GatherInput, Mode, ModePlan, Zero3, planned_gather
 from fsdp2.engine.param import FSDPParam
 
 __all__ = ["ReshardToK"]
@@ -105,3 +105,8 @@ class ReshardToK(Mode):
 
     def drop_block(self) -> None:
         self._block = None
+
+    def plan(self, layout: FlatLayout, shard_size: int) -> ModePlan:
+        # backward: each of k ranks sends its block of W/k chunks
+        backward = planned_gather(layout.send_bytes * (shard_size // self.k), self.k)
+        return super().plan(layout, shard_size)._replace(backward_gathers=(backward,))

@@ -16,7 +16,7 @@ from __future__ import annotations
 from fsdp2.engine.kept import KeptCopy
 from fsdp2.engine.layout import FlatLayout
 from fsdp2.engine.mesh import MeshInfo
-from fsdp2.engine.modes.base import KeptPlan, Mode, shard_key, snapshot_bytes
+from fsdp2.engine.modes.base import Mode, ModePlan, shard_key, snapshot_bytes
 
 __all__ = ["Zero2"]
 
@@ -81,7 +81,9 @@ class Zero2(Mode):
         snapshot = self._kept.snapshot_nbytes() if self._kept is not None else 0
         return layout.unsharded_nbytes() + snapshot
 
-    def plan(self, layout: FlatLayout, shard_size: int) -> KeptPlan:
+    def plan(self, layout: FlatLayout, shard_size: int) -> ModePlan:
+        # The collectives: the first micro-batch's after an optimizer step (zero3's).
+        plan = super().plan(layout, shard_size)
         if layout.alias:
-            return KeptPlan()
-        return KeptPlan(kept_bytes=shard_size * layout.send_bytes + snapshot_bytes(layout))
+            return plan
+        return plan._replace(kept_bytes=shard_size * layout.send_bytes + snapshot_bytes(layout))

@@ -178,7 +178,8 @@ class Schedule:
             self.gathered[k] = True
         members = [groups[k] for k in bucket]
         if not joins:
-            self.out.extend(_gathers(g, backward))
+            planned = g.backward_gathers if backward else g.forward_gathers
+            self.out.extend(Collective(p.kind, g.label, *p[1:]) for p in planned)
             total = g.unsharded_bytes
         else:  # one collective of fixed-size send buffers, even for a bucket of one
             send = self._per_rank(g)
@@ -246,33 +247,17 @@ class Schedule:
         if hold(self.held, size, key, flush, partial(self._size_bucket, g)) and size is not None:
             self.held.add(i, size, key)
             self._last_reduce = sum(self._rs_bytes(k) for k in self.held.members)
-        elif levels := _reduce_levels(g):  # hfsdp: the shard dim's, then the replicate dim's
-            replicas, shards = levels
-            middle = g.reduce_in_bytes // shards
-            self.out.append(
-                Collective("reduce_scatter", g.label, g.reduce_in_bytes, middle, shards)
-            )
-            self.out.append(
-                Collective("reduce_scatter", g.label, middle, g.reduce_out_bytes, replicas)
-            )
-            self.reduce_concat[i] += g.reduce_in_bytes  # its input reordered by shard rank
-            self._last_reduce = self._rs_bytes(i)
         else:
-            self.out.append(
-                Collective(
-                    "reduce_scatter", g.label, g.reduce_in_bytes, g.reduce_out_bytes, g.shard_world
-                )
-            )
+            self.out.extend(_reduces(g))
+            if len(g.reduce_worlds) > 1:  # hfsdp: its input reordered by shard rank first
+                self.reduce_concat[i] += g.reduce_in_bytes
             self._last_reduce = self._rs_bytes(i)
 
     def _rs_bytes(self, i: int) -> int:
-        """What stays alive of a group's reduce-scatter while it is in flight: its input and
-        output (hfsdp's second level: the first's output as its input)."""
-        g = self.groups[i]
-        levels = _reduce_levels(g)
-        if levels:
-            return g.reduce_in_bytes // levels[1] + g.reduce_out_bytes
-        return g.reduce_in_bytes + g.reduce_out_bytes
+        """What stays alive of a group's reduce-scatter while it is in flight: its last
+        level's input and output (in levels: the one before has finished)."""
+        last = _reduces(self.groups[i])[-1]
+        return last.input_nbytes + last.output_nbytes
 
     def _size_bucket(self, g: GroupFacts) -> int:
         """The engine's fixed row size (``coalesce_reduce.fixed_row_bytes``) of a reduce-scatter
@@ -314,28 +299,15 @@ def gathered_in_backward(groups: list[GroupFacts], prefetch: bool) -> list[bool]
     return out
 
 
-def _reduce_levels(g: GroupFacts) -> tuple[int, int] | None:
-    """hfsdp's (replicas, shards) when it reduces in two levels (both dims above one rank)."""
-    if not g.replica_world or g.replica_world in (1, g.shard_world):
-        return None
-    return g.replica_world, g.shard_world // g.replica_world
-
-
-def _gathers(g: GroupFacts, backward: bool) -> list[Collective]:
-    if backward and g.partial_k:  # k ranks, each sending W/k chunks
-        per_rank = g.gather_in_bytes * (g.shard_world // g.partial_k)
-        return [Collective("all_gather", g.label, per_rank, per_rank * g.partial_k, g.partial_k)]
-    out = g.gather_in_bytes * g.shard_world
-    if g.replica_world:  # hfsdp: over the replicas once per step (forward), then the shard dim
-        replicas = g.replica_world
-        first = g.gather_in_bytes * replicas
-        second = Collective("all_gather", g.label, first, out, g.shard_world // replicas)
-        if replicas == 1:
-            return [second]
-        if backward:  # the replica copy kept since forward: the ranks agree it is current
-            return [Collective("all_reduce", g.label, 4, 4, replicas), second]
-        return [Collective("all_gather", g.label, g.gather_in_bytes, first, replicas), second]
-    return [Collective("all_gather", g.label, g.gather_in_bytes, out, g.shard_world)]
+def _reduces(g: GroupFacts) -> list[Collective]:
+    """A group's reduce-scatter, level by level (the mode's ``reduce_worlds``): each level's
+    output is its input over its size, the last one the reduced shard."""
+    out, nbytes = [], g.reduce_in_bytes
+    for j, world in enumerate(g.reduce_worlds):
+        to = g.reduce_out_bytes if j == len(g.reduce_worlds) - 1 else nbytes // world
+        out.append(Collective("reduce_scatter", g.label, nbytes, to, world))
+        nbytes = to
+    return out
 
 
 @dataclass(frozen=True)

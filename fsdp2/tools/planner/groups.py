@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from fsdp2.engine.coalesce import ag_joinable
 from fsdp2.engine.coalesce_reduce import rs_joinable
+from fsdp2.engine.modes.base import Planned
 from fsdp2.engine.param import FSDPParam
 from fsdp2.engine.param_group import FSDPParamGroup
 from fsdp2.engine.state import STATES, FSDPState, module_label, reshard_after_forward_of
@@ -33,7 +34,6 @@ class GroupFacts:
     param_dtype: str
     reduce_dtype: str
     reshard_after_forward: bool
-    partial_k: int  # reshard_after_forward=k keeps W/k chunks: backward gathers over k ranks
     sharded_bytes: int  # the flat shard buffer, padding included
     param_bytes: int  # the real rows of the sharded parameters in it (rank 0: the most)
     param_last_bytes: int  # the same on the last rank, which holds the fewest real rows
@@ -73,6 +73,11 @@ class GroupFacts:
     # Bytes kept between steps: zero2's unsharded copy, or hfsdp's 1/S, and beside either the
     # snapshot of this rank's shard it is checked against (engine/kept.py).
     kept_bytes: int = 0
+    # The mode's collectives (``Mode.plan``): one unshard's in forward, and in backward after a
+    # reshard (reshard_after_forward=k: over k ranks); the sizes of its reduce-scatter's levels.
+    forward_gathers: tuple[Planned, ...] = ()
+    backward_gathers: tuple[Planned, ...] = ()
+    reduce_worlds: tuple[int, ...] = ()
 
 
 def collect_groups(model: nn.Module) -> list[GroupFacts]:
@@ -167,7 +172,6 @@ def _facts(group: FSDPParamGroup, label: str, is_root: bool, reshard: bool) -> G
         param_dtype=str(group.layout.param_dtype).removeprefix("torch."),
         reduce_dtype=str(group.layout.reduce_dtype).removeprefix("torch."),
         reshard_after_forward=reshard,
-        partial_k=group.mode.k,
         sharded_bytes=group.layout.shard_numel * unit,
         param_bytes=sum(p.chunk.local_numel * p.dtype.itemsize for p in group.fsdp_params),
         param_last_bytes=sum(_last_rank_bytes(p, world, p.dtype) for p in group.fsdp_params),
