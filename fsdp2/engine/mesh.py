@@ -9,7 +9,6 @@ the axes on a larger mesh whose other axes (e.g. tensor parallel) fsdp2 leaves a
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import cast
 
@@ -22,7 +21,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdp2.engine.policies import DataParallelMeshDims
 
-__all__ = ["MeshInfo", "default_mesh", "device_of", "hfsdp_info", "mesh_info", "sharded_layout"]
+__all__ = ["MeshInfo", "default_mesh", "device_of", "mesh_info", "sharded_layout"]
 
 
 @dataclass(frozen=True)
@@ -40,7 +39,7 @@ class MeshInfo:
     # dp_mesh_dims naming several dims: all of them, in mesh order, flattened into one group
     # (``shard_axis`` is then the first). Parameters must split evenly over the product.
     shard_axes: tuple[int, ...] = ()
-    # memory_mode="hfsdp" (see hfsdp_info): the replicate and the shard dim's groups, which
+    # memory_mode="hfsdp" (``HFSDP.mesh_info``): the replicate and the shard dim's groups, which
     # the all-gather goes through in turn; None: one all-gather over ``shard_group``.
     levels: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
 
@@ -145,22 +144,6 @@ def mesh_info(
         replicate_group=mesh.get_group(replicate_axis) if replicate_axis is not None else None,
         replicate_size=mesh.size(replicate_axis) if replicate_axis is not None else 1,
     )
-
-
-def hfsdp_info(mesh: DeviceMesh, who: str) -> MeshInfo:
-    """HFSDP on a (replicate R, shard S) mesh: parameters, gradients and optimizer state
-    sharded over all R x S ranks (``Shard`` over the mesh flattened, row-major, so uneven sizes
-    split as on any 1-D mesh), and the all-gather done in two levels: over the replicate dim
-    into a copy of this shard rank's 1/S that stays between optimizer steps, then over the
-    shard dim at every use."""
-    if mesh.ndim != 2 or not mesh.mesh_dim_names:
-        raise ValueError(
-            f"fully_shard({who}): memory_mode='hfsdp' needs a 2-D mesh with named dims "
-            f"(replicate, shard), e.g. init_device_mesh(..., (R, S), mesh_dim_names=('replicate', "
-            f"'shard')); got a {mesh.ndim}-D mesh with dim names {mesh.mesh_dim_names}"
-        )
-    flat = mesh_info(mesh._flatten(), who=who)
-    return dataclasses.replace(flat, levels=(mesh.get_group(0), mesh.get_group(1)))
 
 
 def _axes_of(mesh: DeviceMesh, names: tuple[str, ...], role: str) -> tuple[int, ...]:

@@ -69,6 +69,7 @@ class ModePlan(NamedTuple):
     # The process groups' sizes of the reduce-scatter's levels, first to last: each level's
     # output is its input over its size.
     reduce_worlds: tuple[int, ...] = ()
+    note: str = ""  # what the plan's reader should know of these collectives
 
 
 def shard_key(layout: FlatLayout) -> tuple[int, int]:

@@ -14,6 +14,7 @@ gather's output comes shard-rank-major and the copy-out reads it transposed (lay
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -23,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdp2.engine.collectives import Pending
 from fsdp2.engine.kept import KeptCopy
 from fsdp2.engine.layout import FlatLayout
-from fsdp2.engine.mesh import MeshInfo, hfsdp_info
+from fsdp2.engine.mesh import MeshInfo, mesh_info
 from fsdp2.engine.modes.base import (
     AllGatherFn,
     GatherInput,
@@ -68,7 +69,18 @@ class HFSDP(Mode):
     def mesh_info(
         cls, mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims | None, who: str
     ) -> MeshInfo:
-        return hfsdp_info(mesh, who)
+        """Parameters, gradients and optimizer state sharded over all R x S ranks (``Shard``
+        over the mesh flattened, row-major, so uneven sizes split as on any 1-D mesh), gathered
+        through both dims' groups in turn (``levels``)."""
+        if mesh.ndim != 2 or not mesh.mesh_dim_names:
+            raise ValueError(
+                f"fully_shard({who}): memory_mode='hfsdp' needs a 2-D mesh with named dims "
+                f"(replicate, shard), e.g. init_device_mesh(..., (R, S), mesh_dim_names=("
+                f"'replicate', 'shard')); got a {mesh.ndim}-D mesh with dim names "
+                f"{mesh.mesh_dim_names}"
+            )
+        flat = mesh_info(mesh._flatten(), who=who)
+        return dataclasses.replace(flat, levels=(mesh.get_group(0), mesh.get_group(1)))
 
     @classmethod
     def refused(cls, layout: FlatLayout) -> list[str]:
@@ -137,6 +149,8 @@ class HFSDP(Mode):
             forward_gathers=(second,) if replicas == 1 else (first, second),
             backward_gathers=(second,) if replicas == 1 else (agree, second),
             reduce_worlds=(shard_size,) if one_level else (shard_size // replicas, replicas),
+            note="memory_mode='hfsdp': the collectives are those of the first micro-batch after "
+            "an optimizer step; later micro-batches of the step gather over the shard dim only",
         )
 
 

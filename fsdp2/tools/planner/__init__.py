@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from fsdp2.engine.coalesce import coalesce_bytes
+from fsdp2.engine.modes import MODES
 from fsdp2.tools.auto import auto_shard
 from fsdp2.tools.planner.activations import activation_bytes
 from fsdp2.tools.planner.estimate import collectives, transient
@@ -143,17 +144,8 @@ def _plan_one(
             f"with coalescing at {budget:,} B: the first step gathers each group alone in "
             "forward, having no recorded order yet"
         )
-    if any(g.stay_gathered for g in groups):
-        notes.append(
-            "memory_mode='zero2': the collectives are those of the first micro-batch after an "
-            "optimizer step; later micro-batches of the step gather nothing, each group "
-            "issuing one 4-byte all-reduce instead (the check that its kept copy is current)"
-        )
-    if any(g.replica_world for g in groups):
-        notes.append(
-            "memory_mode='hfsdp': the collectives are those of the first micro-batch after an "
-            "optimizer step; later micro-batches of the step gather over the shard dim only"
-        )
+    noted = {g.note: list(MODES).index(g.mode) for g in groups if g.note}
+    notes.extend(sorted(noted, key=noted.__getitem__))  # the modes' notes, in MODES' order
     moves = transient(groups, prefetch=device != "cpu", budget=budget, gloo=device == "cpu")
     return Plan(
         world_size=shape,

@@ -78,6 +78,8 @@ class GroupFacts:
     forward_gathers: tuple[Planned, ...] = ()
     backward_gathers: tuple[Planned, ...] = ()
     reduce_worlds: tuple[int, ...] = ()
+    note: str = ""  # the mode's note on them
+    mode: str = "zero3"  # its name (``MODES``)
 
 
 def collect_groups(model: nn.Module) -> list[GroupFacts]:
@@ -120,6 +122,7 @@ def _coalescing(group: FSDPParamGroup, keys: dict[int, int]) -> dict[str, Any]:
         "reduce_op": "sum" if group.reducer.sums() else "avg",
         "unshard_in_backward": settings.unshard_in_backward,
         "stay_gathered": group.mode.keeps_gathered,
+        "mode": group.mode.name,
         **group.mode.plan(group.layout, group.shard_size)._asdict(),
     }
 
