@@ -32,6 +32,7 @@ __all__ = [
     "CollectiveKind", "CollectiveRecord", "Pending", "agree_ints", "agree_objects", "all_gather",
     "all_gather_in_place", "all_reduce", "all_to_all", "defer_check", "forget_deferred_checks",
     "record", "record_collectives", "redistribute", "reduce_scatter", "run_deferred_checks",
+    "taking_state",
 ]  # fmt: skip
 
 # "agree": the small exchanges that make every rank raise alike (agreement.py), at init only.
@@ -73,22 +74,30 @@ _recorders: list[list[CollectiveRecord]] = []
 # Checks of collectives an accelerator has not finished (a coalesced gather's headers,
 # coalesce.py): run before the next collective is issued, so that ranks that diverged raise
 # before they could issue mismatched ones, and at the end of a forward and of a backward. Run at
-# the gather's own wait they would stall the host until the device's whole queue drained. Only
-# the thread that deferred them (the training thread) runs them: not a thread taking state.
+# the gather's own wait they would stall the host until the device's whole queue drained.
+# They are the training's: a thread taking state (``taking_state``) never runs them.
 _deferred: list[Callable[[], None]] = []
-_deferred_on = 0  # that thread's ident
+_takers: set[int] = set()  # the idents of the threads inside ``taking_state``
 
 
 def defer_check(check: Callable[[], None]) -> None:
-    global _deferred_on
-    _deferred_on = threading.get_ident()
     _deferred.append(check)
+
+
+@contextmanager
+def taking_state() -> Iterator[None]:
+    """Taking state beside the training (consistent_state): run none of its deferred checks."""
+    _takers.add(me := threading.get_ident())
+    try:
+        yield
+    finally:
+        _takers.discard(me)
 
 
 def run_deferred_checks() -> None:
     """Run the deferred checks (each may block until its collective finished); the first to
     fail raises, and the rest are dropped: every rank raises at the same one."""
-    if _deferred and _deferred_on == threading.get_ident():
+    if _deferred and threading.get_ident() not in _takers:
         pending = list(_deferred)
         _deferred.clear()
         for check in pending:

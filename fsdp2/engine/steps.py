@@ -50,7 +50,7 @@ from torch.optim.optimizer import (
 )
 
 from fsdp2.debug.waiting import timeout_s
-from fsdp2.engine.collectives import all_reduce
+from fsdp2.engine.collectives import all_reduce, taking_state
 
 __all__ = ["TAKER_LABEL", "consistent_state", "optimizer_steps", "watch_optimizer_steps"]
 
@@ -191,29 +191,30 @@ def consistent_state(process_group: dist.ProcessGroup | None = None) -> Iterator
         hold = [_steps + (1 if _in_flight_elsewhere() else 0), me]
         _holds.append(hold)
     try:
-        if process_group is not None:
-            # Through the seam: a peer's taker that never comes gets the hang report at the
-            # deadline, not a wait as long as the backend's own timeout.
-            agreed = torch.tensor([hold[0]], dtype=torch.int64)
-            all_reduce(agreed, process_group, TAKER_LABEL, dist.ReduceOp.MAX).wait()
+        with taking_state():  # this thread's collectives run none of the training's checks
+            if process_group is not None:
+                # Through the seam: a peer's taker that never comes gets the hang report at the
+                # deadline, not a wait as long as the backend's own timeout.
+                agreed = torch.tensor([hold[0]], dtype=torch.int64)
+                all_reduce(agreed, process_group, TAKER_LABEL, dist.ReduceOp.MAX).wait()
+                with _cond:
+                    hold[0] = int(agreed.item())
+                    _cond.notify_all()  # a rank behind may take the steps up to it
             with _cond:
-                hold[0] = int(agreed.item())
-                _cond.notify_all()  # a rank behind may take the steps up to it
-        with _cond:
-            _wait(
-                lambda: _steps >= hold[0] and not _in_flight_elsewhere(),
-                lambda: (
-                    _describe_stepping()
-                    if _in_flight_elsewhere()
-                    else f"step {hold[0]}, which other ranks completed (this rank: {_steps})"
-                ),
-                timeout,
-            )
-        if torch.accelerator.is_available():  # the step's kernels ran before the copy's
-            torch.accelerator.synchronize()
-        yield hold[0]
-        if torch.accelerator.is_available():  # the copy's kernels ran before the next step's
-            torch.accelerator.synchronize()
+                _wait(
+                    lambda: _steps >= hold[0] and not _in_flight_elsewhere(),
+                    lambda: (
+                        _describe_stepping()
+                        if _in_flight_elsewhere()
+                        else f"step {hold[0]}, which other ranks completed (this rank: {_steps})"
+                    ),
+                    timeout,
+                )
+            if torch.accelerator.is_available():  # the step's kernels ran before the copy's
+                torch.accelerator.synchronize()
+            yield hold[0]
+            if torch.accelerator.is_available():  # the copy's kernels ran before the next step's
+                torch.accelerator.synchronize()
     finally:
         with _cond:
             _holds.remove(hold)

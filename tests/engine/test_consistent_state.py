@@ -320,3 +320,25 @@ def test_compiled_steps_count_and_plain_ones_do_not() -> None:
     assert got["hooks"] == 1 and got["compiled"] == 3 and got["plain"] == 0, got
     if got["eager"]:
         assert got["traced"] == [], got
+
+
+def test_a_taker_runs_none_of_the_trainings_deferred_checks() -> None:
+    """The checks a training thread deferred (a coalesced gather's headers on an accelerator)
+    wait for its next collective: a thread taking state, whose own collectives pass the seam
+    too, leaves them to it (run there, one could raise in the taker and drop the training's)."""
+    from fsdp2.engine.collectives import defer_check, run_deferred_checks, taking_state
+
+    ran: list[str] = []
+
+    def taker() -> None:
+        with taking_state():
+            run_deferred_checks()  # what a taker's collective does first
+        ran.append("taker done")
+
+    defer_check(lambda: ran.append("check"))
+    thread = threading.Thread(target=taker)
+    thread.start()
+    thread.join()
+    assert ran == ["taker done"]
+    run_deferred_checks()  # the training thread's next collective
+    assert ran == ["taker done", "check"]
