@@ -28,8 +28,9 @@ MAX_FILE_LINES = 450
 # Session 25: 5,406 after consistent_state's agreement through the seam; +27 for each mode's
 # collectives in its own plan (modes/, read by the planner, whose restatement of them went:
 # tools/planner/estimate.py -28 lines); +10 for their notes on them (from the planner); +7 for
-# the takers' threads, which run none of the training's deferred checks (taking_state).
-MAX_ENGINE_CODE_LINES = 5_450
+# the takers' threads, which run none of the training's deferred checks (taking_state); zero2's
+# plan rewritten -5.
+MAX_ENGINE_CODE_LINES = 5_445
 
 
 def test_no_engine_file_is_longer_than_450_lines() -> None:

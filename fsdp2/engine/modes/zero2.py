@@ -82,16 +82,11 @@ class Zero2(Mode):
         return layout.unsharded_nbytes() + snapshot
 
     def plan(self, layout: FlatLayout, shard_size: int) -> ModePlan:
-        # The collectives: the first micro-batch's after an optimizer step (zero3's).
-        plan = (
-            super()
-            .plan(layout, shard_size)
-            ._replace(
-                note="memory_mode='zero2': the collectives are those of the first micro-batch after "
-                "an optimizer step; later micro-batches of the step gather nothing, each group "
-                "issuing one 4-byte all-reduce instead (the check that its kept copy is current)"
-            )
+        # The collectives are zero3's: those of the first micro-batch after an optimizer step.
+        note = (
+            "memory_mode='zero2': the collectives are those of the first micro-batch after an "
+            "optimizer step; later micro-batches of the step gather nothing, each group "
+            "issuing one 4-byte all-reduce instead (the check that its kept copy is current)"
         )
-        if layout.alias:
-            return plan
-        return plan._replace(kept_bytes=shard_size * layout.send_bytes + snapshot_bytes(layout))
+        kept = 0 if layout.alias else shard_size * layout.send_bytes + snapshot_bytes(layout)
+        return super().plan(layout, shard_size)._replace(kept_bytes=kept, note=note)
