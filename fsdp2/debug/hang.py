@@ -139,8 +139,9 @@ class Event:
         }
 
 
-# A thread's wait: the collective, since when, and whether it is another library's (untimed).
-_Wait = tuple[Event, float, bool]
+# A thread's wait: the collective, since when, whether it is another library's (untimed), and
+# when it raised (0.0: still waiting).
+_Wait = tuple[Event, float, bool, float]
 
 
 class _Rank:
@@ -175,15 +176,19 @@ class _Rank:
         self.polled = 0.0  # when the publisher last read _ASKED (monotonic)
 
     def blocked(self) -> list[_Wait]:
-        """Every thread's wait, the longest first."""
-        return sorted(self.waits.values(), key=lambda w: w[1])  # values(): one atomic copy
+        """Every thread's wait, the longest first. One that raised, for a deadline more: a peer
+        reporting about then reads the same line, and a thread that goes on (a taker whose
+        agreement failed) is not named blocked for good."""
+        now, limit = time.time(), timeout_s()
+        live = [w for w in list(self.waits.values()) if not w[3] or now - w[3] < limit]
+        return sorted(live, key=lambda w: w[1])
 
     def entry(self) -> dict[str, Any]:
         return {
             "time": time.time(),
             "counts": dict(self.counts),
             "recent": [e.as_dict() for e in list(self.ring)[-_PUBLISHED:]],
-            "waiting": [{**event.as_dict(), "since": since} for event, since, _ in self.blocked()],
+            "waiting": [{**e.as_dict(), "since": since} for e, since, _, _ in self.blocked()],
             "exited": self.exited,
             "answered": self.answered,
         }
@@ -292,21 +297,25 @@ def wait(work: dist.Work, event: Event, device: torch.device, phase: str = "") -
         return
     state, me = event.rank, threading.get_ident()
     started = time.time()
-    state.waits[me] = (event, started, False)
-    # A wait that ends in our error leaves the rank "blocked in" the collective for its peers'
-    # reports: the group is unusable after it, and a peer whose deadline passes a moment later
-    # reads the same line whether this rank has raised yet or not (its answer is fresh).
+    state.waits[me] = (event, started, False, 0.0)
+    # A wait that ends in our error leaves the thread "blocked in" the collective for its peers'
+    # reports, for a deadline more (``_Rank.blocked``): the group is unusable after it, and a
+    # peer whose deadline passes a moment later reads the same line whether this rank has
+    # raised yet or not (its answer is fresh).
     try:
         finished = waits.wait(work, event.group)
     except Exception as e:
-        raise CollectiveFailedError(_failure(event, phase, e)) from e
+        failure = CollectiveFailedError(_failure(event, phase, e))
+        state.waits[me] = (event, started, False, time.time())
+        raise failure from e
     except BaseException:  # interrupted (KeyboardInterrupt): no longer in it
         state.waits.pop(me, None)
         raise
     if not finished:
         state.publish()
-        # asks the peers: fresh entries
-        raise CollectiveTimeoutError(_report(event, phase, time.time() - started))
+        report = _report(event, phase, time.time() - started)  # asks the peers: fresh entries
+        state.waits[me] = (event, started, False, time.time())
+        raise CollectiveTimeoutError(report)
     state.waits.pop(me, None)
 
 
@@ -320,7 +329,7 @@ def blocked_in(event: Event, device: torch.device) -> Iterator[None]:
         yield
         return
     state, me = event.rank, threading.get_ident()
-    state.waits[me] = (event, time.time(), True)
+    state.waits[me] = (event, time.time(), True, 0.0)
     try:
         yield
     finally:
@@ -361,7 +370,7 @@ def _watch(state: _Rank) -> None:
     blocked = state.blocked()
     state.warned &= {id(w) for w in blocked}  # forget the waits that ended
     for w in blocked:
-        event, since, untimed = w
+        event, since, untimed, _ = w
         if id(w) in state.warned or (not untimed and waits.is_timed(event.group)):
             continue
         if time.time() - since < timeout_s():

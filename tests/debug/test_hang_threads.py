@@ -12,6 +12,7 @@ with ``os._exit`` (its groups are half done).
   rank 1 never joins; its report must still say rank 1 is blocked in the all-gather (a rank had
   one "waiting" slot, which the taker's finished agreement emptied: "not in an fsdp2
   collective").
+A wait that raised is named for one more deadline, then dropped (a unit test).
 """
 
 from __future__ import annotations
@@ -70,6 +71,24 @@ def test_a_rank_blocked_in_a_step_while_its_taker_agreed_is_named_blocked() -> N
     blocked = "  rank 1: MISSING, issued none on this group; blocked in all-gather #"
     assert rank1.startswith(blocked), rank1
     assert "for `<root>`" in rank1, rank1
+
+
+def test_a_raised_wait_is_named_for_a_deadline_more(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thread's wait that raised stays "blocked in" for one more FSDP2_COLLECTIVE_TIMEOUT (the
+    peers' reports about then agree), then goes: a taker whose agreement failed goes on, and a
+    later report must not name that collective for good. Waits still running always show."""
+    from fsdp2.debug import hang
+
+    monkeypatch.setenv("FSDP2_COLLECTIVE_TIMEOUT", "10")
+    state = hang._Rank(0, None)
+    event = object.__new__(hang.Event)  # only its identity matters to blocked()
+    now = time.time()
+    state.waits = {
+        1: (event, now - 100, False, 0.0),  # still waiting, long: shown, first
+        2: (event, now - 30, False, now - 11),  # raised 11 s ago: gone
+        3: (event, now - 5, False, now - 9),  # raised 9 s ago: shown
+    }
+    assert state.blocked() == [state.waits[1], state.waits[3]]
 
 
 def _model() -> nn.Module:
