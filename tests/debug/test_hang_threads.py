@@ -32,10 +32,10 @@ import torch.nn as nn
 
 from tests.harness import launch
 
-# FSDP2_COLLECTIVE_TIMEOUT on rank 0: its report waits a quarter of it (1.5 s) for the peer's
-# fresh entry, which a loaded machine needs (tests/hang_scenarios.py, BUSY_STORE_TIMEOUT_S).
+# FSDP2_COLLECTIVE_TIMEOUT, the same on both ranks (a rank's publisher polls at a sixteenth of
+# its own, a report waits a quarter of its own for the answers): rank 0's report waits 1.5 s
+# for the peer's fresh entry, which a loaded machine needs (hang_scenarios.BUSY_STORE_TIMEOUT_S).
 HANG_TIMEOUT_S = 6.0
-LONG_TIMEOUT_S = 30.0  # on rank 1 in two_threads: still blocked when rank 0 reports
 BACKEND_TIMEOUT_S = 60.0  # the groups' own timeout: what ended a bare wait
 
 
@@ -114,8 +114,7 @@ def _take(group: dist.ProcessGroup, out: dict[str, Any]) -> None:
 
 def _main(scenario: str) -> None:
     rank = int(os.environ["RANK"])
-    timeout = HANG_TIMEOUT_S if rank == 0 or scenario != "two_threads" else LONG_TIMEOUT_S
-    os.environ["FSDP2_COLLECTIVE_TIMEOUT"] = str(timeout)
+    os.environ["FSDP2_COLLECTIVE_TIMEOUT"] = str(HANG_TIMEOUT_S)
     torch.set_num_threads(1)
     backend_timeout = datetime.timedelta(seconds=BACKEND_TIMEOUT_S)
     dist.init_process_group("gloo", timeout=backend_timeout)
@@ -146,6 +145,9 @@ def _main(scenario: str) -> None:
         if rank == 1:
             thread.start()  # the agreement while this thread is blocked in the all-gather
             line["outcome"] = outcome(lambda: model(x))
+            # Its wait raised at its deadline, a moment before rank 0's; its line stays
+            # "blocked in" for a deadline more (hang._Rank.blocked): stay alive meanwhile.
+            time.sleep(HANG_TIMEOUT_S)
         else:
             time.sleep(0.3)
             thread.start()
@@ -160,7 +162,7 @@ def _main(scenario: str) -> None:
         line["taker"] = taker
     sys.stdout.write(json.dumps(line) + "\n")
     sys.stdout.flush()
-    os._exit(0)  # two_threads: rank 1's all-gather then fails at once (its peer is gone)
+    os._exit(0)  # skip teardown: the groups are half done
 
 
 def outcome(fn: Any) -> str:
