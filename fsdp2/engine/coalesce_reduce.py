@@ -70,7 +70,7 @@ __all__ = [
     "PendingBucket",
     "Reductions",
     "fixed_row_bytes",
-    "input_nbytes",
+    "row_nbytes",
     "rs_joinable",
 ]
 
@@ -111,14 +111,9 @@ def rs_joinable(reducer: GradientReducer) -> bool:
     )
 
 
-def input_nbytes(reducer: GradientReducer) -> int:
-    """The bytes of a joinable group's rank-major input, known before it is built: every
-    trainable parameter's chunk, and one flag each unless unused ones get zeros anyway."""
-    layout = reducer.layout
-    numel = sum(p.chunk.numel for p in layout.trainable)
-    if not reducer.settings.reduce_scatter_unused:
-        numel += len(layout.trainable)
-    return reducer.shard_size * numel * layout.reduce_dtype.itemsize
+def row_nbytes(reducer: GradientReducer) -> int:
+    """The bytes of one rank's row of a joinable group's input, known before it is built."""
+    return reducer.row_numel() * reducer.layout.reduce_dtype.itemsize
 
 
 def fixed_row_bytes(
@@ -165,7 +160,7 @@ class Reductions:
         if not joinable and not self.held.members:  # coalescing off, most often: hold's rule
             self._add(reducer.reduce_grads(), max_in_flight)
             return
-        row = input_nbytes(reducer) // reducer.shard_size if joinable else None
+        row = row_nbytes(reducer) if joinable else None
         key = _key(reducer) if joinable else None
         flush, start = partial(self.flush, max_in_flight), partial(self._size, reducer, budget)
         if not hold(self.held, row, key, flush, start) or row is None:
@@ -187,9 +182,7 @@ class Reductions:
         sized = self._sizes.get(key)
         if sized is None:
             groups = self.groups
-            rows = [
-                input_nbytes(g.reducer) // g.shard_size for g in groups if rs_joinable(g.reducer)
-            ]
+            rows = [row_nbytes(g.reducer) for g in groups if rs_joinable(g.reducer)]
             fixed = fixed_row_bytes(rows, len(groups), itemsize, budget, world)
             sized = self._sizes[key] = (fixed, fixed - len(groups) * itemsize)
         self.fixed, capacity = sized

@@ -282,7 +282,7 @@ class GradientReducer:
                 # pipelining's shape inference), which every rank runs alike. torch reduces
                 # nothing there either.
                 return None
-            if not self.settings.reduce_scatter_unused:
+            if self.flags():
                 used = has
         else:
             params = [p for p, h in zip(self.layout.trainable, has, strict=True) if h]
@@ -304,9 +304,8 @@ class GradientReducer:
             out = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0]
             out = out.reshape(-1).to(self.layout.reduce_dtype)
             return PendingReduce(self, Pending(None), out, params, None, use_sum, used=used)
-        numel = sum(p.chunk.numel for p in params) + (len(used) if used is not None else 0)
-        comm = self.settings.custom_reduce_scatter
-        size, dtype, device = (self.shard_size, numel), self.layout.reduce_dtype, self.layout.device
+        comm, size = self.settings.custom_reduce_scatter, (self.shard_size, self.row_numel())
+        dtype, device = self.layout.reduce_dtype, self.layout.device
         if comm is not None:
             inp = comm.allocate(size, dtype=dtype, device=device)
         else:
@@ -314,6 +313,19 @@ class GradientReducer:
         torch._chunk_cat(grads, dim=0, num_chunks=self.shard_size, out=inp)  # casts to reduce_dtype
         grads.clear()  # copied: free them before the collective allocates its own buffers
         return ReduceInput(inp, params, use_sum, used)
+
+    def flags(self) -> int:
+        """Flags at the end of each rank's chunk of the input: one per trainable parameter where
+        ranks may differ in which got a gradient ([Note: gradients on some ranks only]); none
+        where unused ones get zeros anyway, or one rank reduces alone."""
+        flagged = self.shard_size > 1 or self.info.replicate_group is not None
+        flagged = flagged and not self.settings.reduce_scatter_unused
+        return len(self.layout.trainable) if flagged else 0
+
+    def row_numel(self) -> int:
+        """Elements of each rank's row of the input, every trainable parameter's chunk and the
+        flags: the one rule for its size (the coalesced bucket and the planner read it too)."""
+        return sum(p.chunk.numel for p in self.layout.trainable) + self.flags()
 
     def sums(self) -> bool:
         """Whether this group's reduction sums (and divides afterwards) instead of averaging."""

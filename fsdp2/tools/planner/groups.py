@@ -148,18 +148,12 @@ def _facts(group: FSDPParamGroup, label: str, is_root: bool, reshard: bool) -> G
     unit = group.layout.sharded_flat.element_size()  # 1 for a mixed-dtype group's byte buffers
     reduce_unit = group.layout.reduce_dtype.itemsize
     trainable = group.layout.trainable
-    chunk_numel = sum(p.chunk.numel for p in trainable)
-    # Each rank's chunk also carries a flag per parameter: [Note: gradients on some ranks only]
-    flags = (
-        len(trainable)
-        if (world > 1 or replicas) and not group.settings.reduce_scatter_unused
-        else 0
-    )
+    row, flags = group.reducer.row_numel(), group.reducer.flags()  # the engine's own rule
     flag_bytes = 0
     if group.layout.cast_each_grad:  # each reduced shard cast to its own dtype: real rows only
         grad_bytes = sum(p.chunk.local_numel * p.sharded_grad_dtype.itemsize for p in trainable)
     else:  # the reduce-scatter's output (one buffer, padding included) in the parameters' dtype
-        grad_bytes = chunk_numel * group.layout.dtype.itemsize
+        grad_bytes = (row - flags) * group.layout.dtype.itemsize
         # Its flags stay allocated with it (the gradients view that buffer), unless a cast or a
         # copy to the shards' device leaves them behind: held, but no gradient's.
         kept = group.layout.reduce_dtype == group.layout.dtype and group.settings.offload is None
@@ -185,8 +179,8 @@ def _facts(group: FSDPParamGroup, label: str, is_root: bool, reshard: bool) -> G
         grad_real_bytes=sum(p.chunk.local_numel * p.sharded_grad_dtype.itemsize for p in trainable),
         grad_last_bytes=sum(_last_rank_bytes(p, world, p.sharded_grad_dtype) for p in trainable),
         unsharded_grad_bytes=sum(p.numel * p.param_dtype.itemsize for p in trainable),
-        reduce_in_bytes=world * (chunk_numel + flags) * reduce_unit if world > 1 else 0,
-        reduce_out_bytes=(chunk_numel + flags) * reduce_unit if world > 1 or replicas else 0,
+        reduce_in_bytes=world * row * reduce_unit if world > 1 else 0,
+        reduce_out_bytes=row * reduce_unit if world > 1 or replicas else 0,
         trainable_local_numel=sum(p.chunk.local_numel for p in trainable),
         trainable_local_bytes=sum(p.chunk.local_numel * p.dtype.itemsize for p in trainable),
     )
