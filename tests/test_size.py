@@ -30,7 +30,7 @@ MAX_FILE_LINES = 450
 # tools/planner/estimate.py -28 lines); +10 for their notes on them (from the planner); +7 for
 # the takers' threads, which run none of the training's deferred checks (taking_state); zero2's
 # plan rewritten -5.
-MAX_ENGINE_CODE_LINES = 5_445
+MAX_ENGINE_CODE_LINES = 5_447
 
 
 def test_no_engine_file_is_longer_than_450_lines() -> None:

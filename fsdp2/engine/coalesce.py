@@ -304,7 +304,7 @@ def _issue(
     """One all-gather of a fixed-size send buffer per rank: a header naming the bucket's groups,
     then their shards; each group gets its column slice, checked against every rank's header."""
     first = bucket[0]
-    world, device = first.shard_size, first.layout.device
+    world, device = first.shard_size, first.device
     header = header_bytes(len(groups))
     # Typed as the groups' gathers would be (what the hang report and the checks show), filled
     # as bytes.

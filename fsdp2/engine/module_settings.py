@@ -316,7 +316,7 @@ class GroupSettingsMethods:
         _check_no_user_comms(groups, "set_symm_mem_for_comm")
         for group in groups:
             pg_backend = str(dist.get_backend(group.info.shard_group))
-            device = group.layout.device
+            device = group.device
             if device.type != "cuda" or "nccl" not in pg_backend:
                 raise RuntimeError(
                     f"set_symm_mem_for_comm: '{group.label}' communicates on {device.type} "

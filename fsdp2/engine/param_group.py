@@ -211,6 +211,11 @@ class FSDPParamGroup:
                 self.layout.free_unsharded()
 
     @property
+    def device(self) -> torch.device:
+        """Where its gathers, compute and reductions run (its shards too, unless offloaded)."""
+        return self.layout.device
+
+    @property
     def label(self) -> str:
         """The group's modules' FQNs, comma-joined ("" for the root): set at lazy init."""
         return self.layout.label

@@ -165,7 +165,7 @@ def _summon_group(
     _summoned.add(group)
     try:
         for fsdp_param in group.fsdp_params:
-            full = _gather(fsdp_param, group.layout.device, offload_to_cpu)
+            full = _gather(fsdp_param, group.device, offload_to_cpu)
             if keep:
                 full_param = parameter(full, fsdp_param.sharded_param.requires_grad)
                 fsdp_param.register(full_param)

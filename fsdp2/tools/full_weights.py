@@ -288,5 +288,5 @@ def _local_shape(source: torch.Tensor) -> torch.Size:
 
 def _mesh_device(item: WeightItem) -> torch.device:
     if item.group is not None:
-        return item.group.layout.device
+        return item.group.device
     return item.source._local_tensor.device  # type: ignore[attr-defined,no-any-return]

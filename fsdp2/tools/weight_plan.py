@@ -107,7 +107,7 @@ class Bucket:
                 raise AssertionError(f"{item.name}: gathered, but its group has no shard group")
             world = group.size()
             if self.group is None:
-                self.group, self.device = group, item.group.layout.device
+                self.group, self.device = group, item.group.device
                 self.gathered_bytes = world * HEADER_BYTES
             item.offset = self.gathered_bytes
             self.gathered_bytes += _aligned(world * item.chunk_bytes)
@@ -152,7 +152,7 @@ def _gathered_over(item: WeightItem) -> object:
     not gathered rides along in any bucket)."""
     if not item.gathered or item.group is None:
         return None
-    return (id(item.group.info.shard_group), item.group.layout.device)
+    return (id(item.group.info.shard_group), item.group.device)
 
 
 def _items(module: nn.Module, dtype: torch.dtype | None, buffers: bool) -> list[WeightItem]:
@@ -197,7 +197,7 @@ def _default_bucket_bytes(items: list[WeightItem]) -> int:
     for item in items:
         if item.gathered and item.group is not None:
             group = item.group.info.shard_group
-            if group is not None and is_gloo(group, item.group.layout.device):
+            if group is not None and is_gloo(group, item.group.device):
                 return GLOO_BUCKET_BYTES
     return NCCL_BUCKET_BYTES
 
