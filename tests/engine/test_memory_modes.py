@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp2
 from fsdp2.engine.collectives import record_collectives
+from fsdp2.engine.modes import HFSDP, Mode, ReshardToK, Zero2, Zero3
 from tests.errors import raised
 from tests.harness import run_on_ranks
 from tests.parity import (
@@ -465,3 +466,18 @@ def test_the_readme_ema_average_evaluates_its_current_values() -> None:
     for got, ref in zip(zero2, zero3, strict=True):
         for i, (a, b) in enumerate(zip(got, ref, strict=True)):
             assert torch.equal(a, b), f"eval {i}"
+
+
+def _all_modes(cls: type[Mode]) -> list[type[Mode]]:
+    return [cls] + [m for sub in cls.__subclasses__() for m in _all_modes(sub)]
+
+
+def test_a_coalescing_mode_gathers_the_flat_shard() -> None:
+    """A coalesced gather sends each group's ``layout.gather_source()`` over its shard group
+    without asking the mode (coalesce.py): that is what ``Mode.coalesces`` promises, so a mode
+    that changes its gather input must say ``coalesces = False``, or its coalesced gathers would
+    silently send the plain shard."""
+    modes = _all_modes(Mode)
+    assert {Zero3, Zero2, ReshardToK, HFSDP} <= set(modes)  # the walk finds them all
+    wrong = [m.__name__ for m in modes if m.coalesces and m.gather_input is not Mode.gather_input]
+    assert not wrong, f"modes that coalesce but change their gather input: {wrong}"
