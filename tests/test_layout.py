@@ -308,6 +308,7 @@ NAMES_IN_FILE: dict[str, dict[str, tuple[str, ...]]] = {
     "api.py": {"each": ("FSDPParamGroup",)},  # `for each in groups` in fully_shard
     "debug/hang.py": {"state": ("_Rank",), "rank": ("_Rank",)},
     "engine/traced.py": {"ctx": ()},  # autograd.Function's ctx
+    "engine/coalesce.py": {"member": ("FSDPParamGroup",)},  # a bucket's groups
 }
 
 # A record one owner fills is written by that owner alone, not by the file that declares it
@@ -712,4 +713,56 @@ def test_the_writer_check_sees_each_kind_of_write() -> None:
     # Annotations name classes for test_names_cover_annotations.
     assert annotated_names("def f(grp: FSDPParamGroup | None) -> None: ...\n") == [
         ("grp", "FSDPParamGroup", 1)
+    ]
+
+
+# The group is closed (issue 41): other files call its methods rather than reach into its parts.
+# Today's reaches, by file: test_no_new_reach_into_a_group fails on one more, and on one fewer
+# (lower the count), so the list only shrinks. The planner reads the layout's sizes; the
+# iteration drives the reducer through backward; the coalescers read the buffers they join.
+GROUP_PARTS = ("layout", "reducer")
+KNOWN_GROUP_REACHES = {
+    "api.py": 1,
+    "engine/changes.py": 4,
+    "engine/coalesce.py": 7,
+    "engine/coalesce_reduce.py": 3,
+    "engine/iteration.py": 6,
+    "engine/state.py": 3,
+    "engine/traced.py": 4,
+    "tools/planner/groups.py": 20,
+}
+
+
+def group_reaches(tree: ast.AST | str, file: str) -> list[int]:
+    """The lines of ``file`` that read a part of an ``FSDPParamGroup`` (``group.layout``, ...)."""
+    if isinstance(tree, str):
+        tree = ast.parse(tree)
+    return sorted(
+        node.lineno
+        for node, _ in _walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr in GROUP_PARTS
+        and "FSDPParamGroup" in classes_named(_key(node.value), file)
+    )
+
+
+def test_no_new_reach_into_a_group() -> None:
+    found = {
+        file: len(lines)
+        for file, tree in _sources().items()
+        if file != owned_classes()["FSDPParamGroup"].file and (lines := group_reaches(tree, file))
+    }
+    changed = {
+        f: (KNOWN_GROUP_REACHES.get(f, 0), found.get(f, 0))
+        for f in found.keys() | KNOWN_GROUP_REACHES.keys()
+        if found.get(f, 0) != KNOWN_GROUP_REACHES.get(f, 0)
+    }
+    assert not changed, (
+        "reads of a group's layout or reducer from other files changed (pinned, found): "
+        f"{changed}; call a method of FSDPParamGroup instead, or lower the pin"
+    )
+    # The scan sees both spellings of a group.
+    assert group_reaches("group.layout.device\nitem.group.reducer\nlayout.device\n", "x.py") == [
+        1,
+        2,
     ]
