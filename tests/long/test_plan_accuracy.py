@@ -20,7 +20,7 @@ from tests.harness import launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fsdp2_only")]
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "plan_accuracy.py"
 # What the planner does not count: AdamW's 0-d step tensors are reported by the script; a few
 # dozen bytes of small allocations remain (40-80 B measured).
