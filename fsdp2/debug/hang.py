@@ -70,7 +70,7 @@ from torch._C._distributed_c10d import Store
 
 from fsdp2.debug import switches
 from fsdp2.debug import waiting as waits
-from fsdp2.debug.waiting import group_name, timeout_s
+from fsdp2.debug.waiting import timeout_s
 
 __all__ = [
     "CollectiveFailedError",
@@ -110,7 +110,7 @@ class CollectiveFailedError(CollectiveTimeoutError):
 class Event:
     """One collective this rank issued."""
 
-    __slots__ = ("dtype", "group", "label", "numel", "op", "rank", "seq", "time")
+    __slots__ = ("dtype", "group", "label", "name", "numel", "op", "rank", "seq", "time")
 
     def __init__(
         self, op: str, label: str, tensor: torch.Tensor, group: dist.ProcessGroup, rank: _Rank
@@ -121,10 +121,12 @@ class Event:
         self.numel = tensor.numel() if op != "all_to_all" else -1
         self.dtype = tensor.dtype
         self.group = group
+        # Named now, while a collective is issued on it: a report may come after it was destroyed.
+        self.name: str = group.group_name
         self.rank = rank  # the issuing rank's state
-        name = group_name(group)
-        self.seq = rank.counts.get(name, 0)  # this rank's collectives on ``group`` before this one
-        rank.counts[name] = self.seq + 1
+        # This rank's collectives on ``group`` before this one:
+        self.seq = rank.counts.get(self.name, 0)
+        rank.counts[self.name] = self.seq + 1
         self.time = time.time()
 
     def as_dict(self) -> dict[str, Any]:
@@ -133,7 +135,7 @@ class Event:
             "label": self.label,
             "numel": self.numel,
             "dtype": str(self.dtype).removeprefix("torch."),
-            "group": group_name(self.group),
+            "group": self.name,
             "seq": self.seq,
             "time": self.time,
         }

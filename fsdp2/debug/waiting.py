@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["group_name", "is_gloo", "is_timed", "timed_wait", "timeout_s", "wait"]
+__all__ = ["is_gloo", "is_timed", "timed_wait", "timeout_s", "wait"]
 
 logger = logging.getLogger("fsdp2")
 
@@ -83,7 +83,7 @@ def _first_wait(work: dist.Work, group: dist.ProcessGroup) -> bool:
             "fsdp2: the works of process group %s (backend %s) reject a finite wait(timeout) "
             "(%s); fsdp2 waits on them without FSDP2_COLLECTIVE_TIMEOUT's deadline and logs the "
             "hang report when it passes",
-            group_name(group),
+            group.group_name,  # alive: its work was just waited on
             _backend_name(group),
             refused,
         )
@@ -114,14 +114,6 @@ def is_gloo(group: dist.ProcessGroup, device: torch.device = _CPU) -> bool:
             backend = None
         answer = known[device.type] = _GLOO is not None and isinstance(backend, _GLOO)
     return answer
-
-
-def group_name(group: dist.ProcessGroup) -> str:
-    """The group's name, or "?" for a destroyed group (asked per collective)."""
-    try:
-        return group.group_name
-    except Exception:  # a destroyed group
-        return "?"
 
 
 def _backend_name(group: dist.ProcessGroup) -> str:
