@@ -29,8 +29,10 @@ MAX_FILE_LINES = 450
 # collectives in its own plan (modes/, read by the planner, whose restatement of them went:
 # tools/planner/estimate.py -28 lines); +10 for their notes on them (from the planner); +7 for
 # the takers' threads, which run none of the training's deferred checks (taking_state); zero2's
-# plan rewritten -5.
-MAX_ENGINE_CODE_LINES = 5_447
+# plan rewritten -5. Session 26: 5,447 (the reduce row and the group's device in one home).
+# Session 27: +3 for the backward prefetch rule as one function (iteration.backward_prefetch),
+# which the planner now calls instead of restating it (tools/planner/estimate.py).
+MAX_ENGINE_CODE_LINES = 5_450
 
 
 def test_no_engine_file_is_longer_than_450_lines() -> None:

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -54,7 +55,7 @@ from fsdp2.engine.coalesce_reduce import UNBOUNDED, Reductions
 from fsdp2.engine.collectives import forget_deferred_checks, run_deferred_checks
 from fsdp2.engine.param_group import FSDPParamGroup
 
-__all__ = ["IterContext", "trace"]
+__all__ = ["IterContext", "backward_prefetch", "trace"]
 
 logger = logging.getLogger("fsdp2")
 
@@ -66,6 +67,17 @@ def trace(label: str, fqn: str) -> None:
             pass
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("fsdp2::%s %s", label, fqn)
+
+
+def backward_prefetch(n: int, index: int, by_root: bool, root: Callable[[int], bool]) -> int:
+    """The group a pre-backward prefetches, by index in the forward order of ``n`` groups
+    (``index``: the one whose pre-backward runs; ``-1``: none). The root's state (``by_root``)
+    prefetches the last group, whose gradients come first; any other group the one before it,
+    but never one of the root's (``root(i)``): the root's pre-backward ran first and gathered
+    those. The engine's rule, and the planner's (tools/planner/estimate.py)."""
+    if by_root:
+        return n - 1 if n - 1 != index else -1
+    return index - 1 if index > 0 and not root(index - 1) else -1
 
 
 class IterContext:
@@ -146,16 +158,11 @@ class IterContext:
             return
         order = self.forward_order
         if group.seen_in == self.iteration and order and order[group.order_index] is group:
-            # The root prefetches the last group, whose gradients come first; any other group
-            # the one before it, but never the root's: the root's pre-backward ran first and
-            # gathered it, so by now it is either still gathered or done with backward.
-            previous = group  # nothing to prefetch
-            if is_root:
-                previous = order[-1]
-            elif group.order_index > 0 and order[group.order_index - 1] not in self.root_groups:
-                previous = order[group.order_index - 1]
-            if previous is not group and previous.settings.unshard_in_backward:
-                self.gather(previous, coalesce, backward=True)
+            target = backward_prefetch(
+                len(order), group.order_index, is_root, lambda i: order[i] in self.root_groups
+            )
+            if target >= 0 and order[target].settings.unshard_in_backward:
+                self.gather(order[target], coalesce, backward=True)
 
     def start_forward(self, explicit_prefetch: bool) -> bool:
         """The root's forward starts a new iteration. ``explicit_prefetch``: some state has

@@ -36,6 +36,7 @@ import torch
 from fsdp2.engine.buckets import Run, fill, hold
 from fsdp2.engine.coalesce import ALIGN, bucket_label, fixed_send_bytes, header_bytes
 from fsdp2.engine.coalesce_reduce import fixed_row_bytes
+from fsdp2.engine.iteration import backward_prefetch
 from fsdp2.tools.planner.groups import GroupFacts
 
 __all__ = ["Collective", "Schedule", "Transient", "collectives", "transient"]
@@ -132,24 +133,19 @@ class Schedule:
     def _backward(self) -> None:
         groups = self.groups
         gathered = gathered_in_backward(groups, self.prefetch)
-        last = len(groups) - 1
         # The root's pre-backward runs first (its outputs' gradients arrive before any block's):
         # a root that resharded after forward is gathered then, and alone, as the engine's
         # bucket walks back from it in forward order and nothing precedes the root.
-        if groups and groups[0].is_root and gathered[0] and self._regathers(0):
-            self._gather(0, backward=True)
-        if self.prefetch and last > 0 and self._regathers(last) and not groups[last].is_root:
-            self._gather(last, backward=True)  # the root's pre-backward prefetch
+        if groups and groups[0].is_root:
+            if gathered[0] and self._regathers(0):
+                self._gather(0, backward=True)
+            self._prefetch(0)
         for i in reversed(range(len(groups))):
             g = groups[i]
             if gathered[i] and self._regathers(i) and not self.gathered[i]:
                 self._gather(i, backward=True)
-            before = i - 1
-            if self.prefetch and g.backward_reached and not g.is_root and before >= 0:
-                prev = groups[before]
-                if gathered[before] and self._regathers(before) and not prev.is_root:
-                    if not self.gathered[before]:
-                        self._gather(before, backward=True)
+            if g.backward_reached and not g.is_root:
+                self._prefetch(i)
             if g.num_trainable and g.shard_world > 1:
                 self._reduce(i)
             elif not self.held.members:
@@ -160,6 +156,13 @@ class Schedule:
                     Collective("all_reduce", g.label, nbytes, nbytes, g.replicate_world)
                 )
         self._issue_held()
+
+    def _prefetch(self, i: int) -> None:
+        """Group ``i``'s pre-backward prefetch (the engine's ``backward_prefetch``)."""
+        groups = self.groups
+        at = backward_prefetch(len(groups), i, groups[i].is_root, lambda k: groups[k].is_root)
+        if self.prefetch and at >= 0 and self._regathers(at) and not self.gathered[at]:
+            self._gather(at, backward=True)
 
     def _regathers(self, i: int) -> bool:
         g = self.groups[i]
@@ -287,15 +290,13 @@ class Schedule:
 
 def gathered_in_backward(groups: list[GroupFacts], prefetch: bool) -> list[bool]:
     """Per group (pre-order): whether backward gathers it (if it resharded after forward):
-    reached by backward, or prefetched by the next group in forward order, which (as in
-    ``IterContext.prefetch_before``) the root's own groups never do; the root prefetches the
-    last group. (Coalescing may gather a group backward never reaches as well: ``Schedule``.)"""
-    out = []
+    reached by backward, or prefetched by a group that is (the engine's ``backward_prefetch``). (Coalescing may gather a group backward never reaches as well: ``Schedule``.)"""
+    out = [g.backward_reached for g in groups]
     for i, g in enumerate(groups):
-        nxt = groups[i + 1] if i + 1 < len(groups) else None
-        by_next = nxt is not None and nxt.backward_reached and not nxt.is_root and not g.is_root
-        by_root = nxt is None and not g.is_root
-        out.append(g.backward_reached or (prefetch and (by_next or by_root)))
+        if prefetch and (g.is_root or g.backward_reached):  # the root's pre-backward always runs
+            at = backward_prefetch(len(groups), i, g.is_root, lambda k: groups[k].is_root)
+            if at >= 0:
+                out[at] = True
     return out
 
 
