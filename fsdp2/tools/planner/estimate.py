@@ -290,7 +290,8 @@ class Schedule:
 
 def gathered_in_backward(groups: list[GroupFacts], prefetch: bool) -> list[bool]:
     """Per group (pre-order): whether backward gathers it (if it resharded after forward):
-    reached by backward, or prefetched by a group that is (the engine's ``backward_prefetch``). (Coalescing may gather a group backward never reaches as well: ``Schedule``.)"""
+    reached by backward, or prefetched by a group that is (the engine's ``backward_prefetch``).
+    (Coalescing may gather a group backward never reaches as well: ``Schedule``.)"""
     out = [g.backward_reached for g in groups]
     for i, g in enumerate(groups):
         if prefetch and (g.is_root or g.backward_reached):  # the root's pre-backward always runs
