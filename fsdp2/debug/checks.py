@@ -25,7 +25,7 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from fsdp2.debug import hang
+from fsdp2.debug import hang, report
 
 __all__ = [
     "FINGERPRINT_BYTES",
@@ -84,7 +84,9 @@ def verify(
 
 def _message(group: dist.ProcessGroup, found: list[dict[str, object]]) -> str:
     ranks = dist.get_process_group_ranks(group)
-    lines = "\n".join(f"  rank {r}: {hang.describe(f)}" for r, f in zip(ranks, found, strict=True))
+    lines = "\n".join(
+        f"  rank {r}: {report.describe(f)}" for r, f in zip(ranks, found, strict=True)
+    )
     return (
         f"fsdp2: the ranks of the process group of ranks {ranks} were about to issue different "
         f"collectives (FSDP2_CHECK_COLLECTIVES):\n{lines}\n{_cause(found)}\n"

@@ -54,7 +54,6 @@ from __future__ import annotations
 import atexit
 import json
 import logging
-import re
 import sys
 import threading
 import time
@@ -68,7 +67,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
-from fsdp2.debug import switches
+from fsdp2.debug import report
 from fsdp2.debug import waiting as waits
 from fsdp2.debug.waiting import timeout_s
 
@@ -89,13 +88,6 @@ _RING = 8  # events kept per rank
 _PUBLISHED = 4  # of which the newest are published
 _KEY = "fsdp2/debug/hang/rank{}"
 _ASKED = "fsdp2/debug/hang/asked"  # how many reports asked for fresh entries: [Note: fresh entries]
-_OP_NAMES = {
-    "all_gather": "all-gather",
-    "reduce_scatter": "reduce-scatter",
-    "all_reduce": "all-reduce",
-    "all_to_all": "all-to-all",
-    "redistribute": "DTensor redistribution",
-}
 
 
 class CollectiveTimeoutError(RuntimeError):
@@ -472,66 +464,8 @@ def _collect(state: _Rank, ranks: list[int]) -> tuple[dict[int, dict[str, Any]],
 
 
 # ---------------------------------------------------------------------------------------------
-# The report
+# The report (its words: report.py)
 # ---------------------------------------------------------------------------------------------
-
-
-def describe(event: dict[str, Any]) -> str:
-    """``all-gather #6 for `blocks.1` (4,160 elements, float32)``"""
-    op = _OP_NAMES.get(event["op"], event["op"])
-    label = event["label"] or "<root>"
-    size = f"{event['numel']:,} elements, " if event["numel"] >= 0 else ""
-    return f"{op} #{event['seq']} for `{label}` ({size}{event['dtype']})"
-
-
-def _whereabouts(entry: dict[str, Any], now: float) -> str:
-    waiting, exited = entry["waiting"], entry.get("exited")
-    last = entry["recent"][-1] if entry["recent"] else None
-    if exited is not None:  # first: a rank that raised from a wait still names it as waiting
-        where = f"its process EXITED {now - exited['time']:.1f} s ago ({exited['how']})"
-        where += f", after issuing {describe(last)}" if last else ""
-    elif waiting:  # the longest wait first, then any other thread's
-        where = "blocked in " + ", and in ".join(
-            f"{describe(w)} for {now - w['since']:.1f} s" for w in waiting
-        )
-    elif last is None:
-        where = "has issued no fsdp2 collective"
-    else:
-        where = (
-            "not in an fsdp2 collective (busy elsewhere, finished or raised); last seen "
-            f"{now - last['time']:.1f} s ago issuing {describe(last)}"
-        )
-    return f"{where} [published {now - entry['time']:.1f} s ago]"
-
-
-def _rank_line(
-    rank: int, entry: dict[str, Any] | None, target: dict[str, Any], now: float, fresh: bool
-) -> str:
-    if entry is None:
-        return (
-            f"rank {rank}: published nothing and did not answer within {_answer_wait():.1f} s "
-            "(never issued an fsdp2 collective, or died)"
-        )
-    issued = entry["counts"].get(target["group"], 0)
-    where = _whereabouts(entry, now)
-    if not fresh:  # [Note: fresh entries]: what it knew then, never a verdict on now
-        so_far = f"#0-#{issued - 1}" if issued else "none"
-        return (
-            f"rank {rank}: NO ANSWER within {_answer_wait():.1f} s, so its entry may be behind "
-            f"(its publisher thread did not run in time: a loaded machine, or a call holding the GIL); when "
-            f"published, it had issued {so_far} on this group; {where}"
-        )
-    if issued <= target["seq"]:
-        so_far = f"only #0-#{issued - 1}" if issued else "none"
-        return f"rank {rank}: MISSING, issued {so_far} on this group; {where}"
-    same = [
-        e for e in entry["recent"] if e["group"] == target["group"] and e["seq"] == target["seq"]
-    ]
-    if same and describe(same[0]) != describe(target):
-        if any(describe(w) == describe(same[0]) for w in entry["waiting"]):
-            return f"rank {rank}: DIFFERENT collective: {where}"
-        return f"rank {rank}: DIFFERENT collective, issued {describe(same[0])}; {where}"
-    return f"rank {rank}: issued it; {where}"
 
 
 def describe_ranks(event: Event, ranks: list[int], own: str = "blocked in it") -> list[str]:
@@ -539,11 +473,11 @@ def describe_ranks(event: Event, ranks: list[int], own: str = "blocked in it") -
     of the rank that issued ``event``)."""
     state, target = event.rank, event.as_dict()
     entries, silent = _collect(state, ranks)
-    now = time.time()
+    now, answer_wait = time.time(), _answer_wait()
     return [
         f"rank {rank} (this rank): {own}"
         if rank == state.rank
-        else _rank_line(rank, entries.get(rank), target, now, rank not in silent)
+        else report.rank_line(rank, entries.get(rank), target, now, rank not in silent, answer_wait)
         for rank in ranks
     ]
 
@@ -551,66 +485,18 @@ def describe_ranks(event: Event, ranks: list[int], own: str = "blocked in it") -
 def _where(event: Event, phase: str, own: str = "blocked in it") -> tuple[list[int], str, str]:
     """The group's ranks, what ``event`` was, and every rank's line."""
     ranks = dist.get_process_group_ranks(event.group)
-    target = describe(event.as_dict())
+    target = report.describe(event.as_dict())
     what = f"the {phase} the {target}" if phase else f"the {target}"
     lines = "\n".join(f"  {line}" for line in describe_ranks(event, ranks, own))
     return ranks, what, f"Where each rank is (from the c10d store):\n{lines}\n"
 
 
 def _report(event: Event, phase: str, waited: float | None = None) -> str:
-    """The hang report; ``waited``: how long the wait lasted, where the backend may have ended
-    it before fsdp2's deadline (a process group's own ``timeout=`` that is shorter)."""
+    """The hang report; ``waited``: how long the wait lasted (see ``report.timed_out``)."""
     ranks, what, where = _where(event, phase)
-    limit = timeout_s()
-    how_long = f"{limit:g} s (FSDP2_COLLECTIVE_TIMEOUT)"
-    if waited is not None and waited < 0.95 * limit:  # not ours: the clocks differ slightly
-        how_long = (
-            f"{waited:.1f} s (the process group's own timeout ended the wait, before "
-            f"FSDP2_COLLECTIVE_TIMEOUT's {limit:g} s)"
-        )
-    return (
-        f"fsdp2: rank {event.rank.rank} waited {how_long} for "
-        f"{what} on the process group of ranks {ranks}, and it has not finished.\n{where}"
-        "A rank MISSING from it skipped that module (control flow that depends on the rank or "
-        "the data: MoE routing, a layer skipped for some inputs or shapes), raised, or never "
-        "started the step. A rank on a DIFFERENT collective got out of step earlier: "
-        "collectives pair up by order, not by module, so earlier ones may have exchanged wrong "
-        "data. The process group is unusable now (a collective is half done): "
-        f"abort the job on every rank. {_checks_hint()}"
-    )
+    return report.timed_out(event.rank.rank, what, ranks, where, waited, timeout_s())
 
 
 def _failure(event: Event, phase: str, error: Exception) -> str:
     ranks, what, where = _where(event, phase, own="waiting in it")
-    # gloo prefixes its source location: "[.../pair.cc:553] Connection closed by peer ..."
-    said = re.sub(r"^\[[^\]]*:\d+\] ", "", str(error).strip()).split("\n")[0]
-    return (
-        f"fsdp2: rank {event.rank.rank} was waiting for {what} on the process group of ranks "
-        f"{ranks} when the backend raised {type(error).__name__}: {said}\n{where}"
-        f"{_failure_cause(said)} The process group is unusable now: abort the job on every rank."
-    )
-
-
-def _failure_cause(said: str) -> str:
-    if "timed out" in said.lower():  # the backend's own timeout, on a wait fsdp2 could not bound
-        return (
-            "Likely cause: the backend's own timeout passed (its works take no finite timeout, "
-            "so FSDP2_COLLECTIVE_TIMEOUT could not end the wait sooner): a rank MISSING from "
-            "this collective skipped that module, raised, or never started the step."
-        )
-    return (
-        "Likely cause: a peer rank is gone. A rank whose process EXITED ended its training loop "
-        "before the others (e.g. its data loader ran out of batches first); one that published "
-        "nothing more may have crashed (see its own log). Fix: give every rank the same number "
-        "of batches (DistributedSampler(..., drop_last=True), or stop every rank's loop when "
-        "one runs out)."
-    )
-
-
-def _checks_hint() -> str:
-    if switches.checks_enabled:
-        return "(Collective checks are on: the ranks agreed on every collective before this one.)"
-    return (
-        "FSDP2_CHECK_COLLECTIVES=1 stops at the first collective where the ranks disagree, "
-        "with both sides named."
-    )
+    return report.failed(event.rank.rank, what, ranks, where, error)
