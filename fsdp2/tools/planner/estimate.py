@@ -159,9 +159,11 @@ class Schedule:
 
     def _prefetch(self, i: int) -> None:
         """Group ``i``'s pre-backward prefetch (the engine's ``backward_prefetch``)."""
+        if not self.prefetch:  # CPU meshes guess no prefetch
+            return
         groups = self.groups
         at = backward_prefetch(len(groups), i, groups[i].is_root, lambda k: groups[k].is_root)
-        if self.prefetch and at >= 0 and self._regathers(at) and not self.gathered[at]:
+        if at >= 0 and self._regathers(at) and not self.gathered[at]:
             self._gather(at, backward=True)
 
     def _regathers(self, i: int) -> bool:
