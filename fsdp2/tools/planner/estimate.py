@@ -115,6 +115,8 @@ class Schedule:
         self._last_reduce = 0  # those alive after the last one: held, or issued alone
         self.held: Run[int] = Run()  # the held reduce-scatter bucket
         self._rs_fixed = 0  # its fixed row bytes
+        # The all-reduces (HSDP) of the reduce-scatter in flight, issued when it is finished
+        self._finishing: list[Collective] = []
         self._forward()
         self._backward()
 
@@ -150,12 +152,10 @@ class Schedule:
                 self._reduce(i)
             elif not self.held.members:
                 self._last_reduce = 0  # the one before it was finished as it ran
-            if g.num_trainable and g.replicate_world:  # HSDP all-reduces even over one replica
-                nbytes = g.reduce_out_bytes
-                self.out.append(
-                    Collective("all_reduce", g.label, nbytes, nbytes, g.replicate_world)
-                )
+            if g.num_trainable and g.replicate_world and g.shard_world == 1:
+                self.out.extend(_all_reduces([g]))  # no reduce-scatter: issued at once
         self._issue_held()
+        self.out.extend(self._finishing)  # the end of backward waits for every reduction
 
     def _prefetch(self, i: int) -> None:
         """Group ``i``'s pre-backward prefetch (the engine's ``backward_prefetch``)."""
@@ -254,6 +254,7 @@ class Schedule:
             self._last_reduce = sum(self._rs_bytes(k) for k in self.held.members)
         else:
             self.out.extend(_reduces(g))
+            self._in_flight([g])
             if len(g.reduce_worlds) > 1:  # hfsdp: its input reordered by shard rank first
                 self.reduce_concat[i] += g.reduce_in_bytes
             self._last_reduce = self._rs_bytes(i)
@@ -288,6 +289,15 @@ class Schedule:
                 world,
             )
         )
+        self._in_flight(members)
+
+    def _in_flight(self, members: list[GroupFacts]) -> None:
+        """A reduce-scatter just issued for ``members``: the one in flight before it is finished
+        now (one at a time), which issues its all-reduces over the replicas (HSDP); the new
+        one's wait for its own finish (a rank may not finish those early: their peers would
+        pair them with other collectives)."""
+        self.out.extend(self._finishing)
+        self._finishing = _all_reduces(members)
 
 
 def gathered_in_backward(groups: list[GroupFacts], prefetch: bool) -> list[bool]:
@@ -301,6 +311,15 @@ def gathered_in_backward(groups: list[GroupFacts], prefetch: bool) -> list[bool]
             if at >= 0:
                 out[at] = True
     return out
+
+
+def _all_reduces(groups: list[GroupFacts]) -> list[Collective]:
+    """HSDP's all-reduce of each group's reduced shard over the replicas (even over one)."""
+    return [
+        Collective("all_reduce", g.label, g.reduce_out_bytes, g.reduce_out_bytes, g.replicate_world)
+        for g in groups
+        if g.num_trainable and g.replicate_world
+    ]
 
 
 def _reduces(g: GroupFacts) -> list[Collective]:
