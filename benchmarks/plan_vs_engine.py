@@ -26,7 +26,11 @@ only while it runs (the list is what a planning mode in the engine would have to
 - ``coalesce._joinable`` excludes meta groups (so the mistake above is reported first): the same
   rule without that line (the script refuses to run if the engine's rule has changed);
 - ``coalesce.check_on_host``: a coalesced collective's header is compared on the host;
-- ``Tensor.item`` on meta (a kept copy's check, zero2 and hfsdp): nothing wrote the shards, so 0.
+- ``Tensor.item`` on meta (a kept copy's check, zero2 and hfsdp): nothing wrote the shards, so 0;
+- and torch's own: from 2.14 DTensor prices a redistribution by the mesh's devices per host,
+  which a meta mesh cannot count (1 here).
+
+tests/long/test_plan_engine.py runs it and wants every configuration equal in issue order.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +90,10 @@ def _joinable_on_meta(group: FSDPParamGroup) -> bool:
     )
 
 
+def _per_host(real: Callable[[str], int], device_type: str) -> int:
+    return 1 if device_type == "meta" else real(device_type)
+
+
 @contextmanager
 def _meta_admitted(mesh: DeviceMesh) -> Iterator[None]:
     """The engine let past its refusals of a meta step (the module docstring), and
@@ -119,6 +128,10 @@ def _meta_admitted(mesh: DeviceMesh) -> Iterator[None]:
         (fsdp2.api, "default_mesh", lambda: mesh),
         (fsdp2.engine.mesh, "default_mesh", lambda: mesh),
     ]
+    resources = getattr(torch.distributed.device_mesh, "_mesh_resources", None)
+    per_host = getattr(resources, "num_devices_per_host", None)
+    if per_host is not None:  # torch >= 2.14 costs redistributions by devices per host
+        patches.append((resources, "num_devices_per_host", partial(_per_host, per_host)))
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     try:
         for obj, name, new in patches:
