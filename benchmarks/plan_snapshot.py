@@ -6,8 +6,9 @@ and after a change that should change no plan.
     python benchmarks/plan_snapshot.py --diff before.json after.json
 
 The configurations: the workloads' models (small sizes, a frozen first block too) x sharding
-(zero3, bf16 compute, zero2, HSDP, hfsdp, models mixing zero2 and hfsdp, reshard_after_forward=k)
-x device (cpu: no prefetch; cuda: prefetch) x coalescing (off, on) x world sizes. Each plan is
+(zero3, bf16 compute, zero2, HSDP, hfsdp, models mixing zero2 and hfsdp or zero3 and zero2,
+reshard_after_forward=k or False) x device (cpu: no prefetch; cuda: prefetch) x coalescing
+(off, on) x world sizes: 384 plans. Each plan is
 kept whole but for its groups' internal facts (``groups``, which a refactor may reshape): its
 bytes, its collectives in order, its transients and notes. A run takes ~15 s (each plan forks).
 """
@@ -54,6 +55,17 @@ def _on_mesh(first: str, second: str) -> Shard:
     return shard
 
 
+def _alternating(first: str, second: str) -> Shard:
+    """Over the default mesh: blocks alternating ``first``/``second``, the root ``second``."""
+
+    def shard(model: nn.Module) -> None:
+        for i, block in enumerate(workloads.blocks_of(model)):
+            fsdp2.fully_shard(block, memory_mode=first if i % 2 == 0 else second)
+        fsdp2.fully_shard(model, memory_mode=second)
+
+    return shard
+
+
 # sharding -> (its shard function, the world sizes it is planned at)
 SHARDINGS: dict[str, tuple[Shard, list[Any]]] = {
     "zero3": (_blocks(), [1, 2, 4, 8]),
@@ -65,6 +77,8 @@ SHARDINGS: dict[str, tuple[Shard, list[Any]]] = {
     "hfsdp+zero2": (_on_mesh("hfsdp", "zero2"), [(2, 2)]),
     "k=2": (_blocks(reshard_after_forward=2), [4, 8]),
     "k=4": (_blocks(reshard_after_forward=4), [8]),
+    "no-reshard": (_blocks(reshard_after_forward=False), [2, 4]),
+    "zero3+zero2": (_alternating("zero3", "zero2"), [2]),
 }
 
 
