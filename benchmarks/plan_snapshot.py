@@ -20,7 +20,7 @@ import dataclasses
 import itertools
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -94,27 +94,36 @@ def _build(name: str, frozen_first: bool) -> Callable[[], nn.Module]:
     return build
 
 
-def snapshot() -> dict[str, Any]:
+def configurations() -> Iterator[tuple[str, Callable[[], nn.Module], Shard, Any, str]]:
+    """Every configuration as ``(key, build, shard, world_size, device)``, the coalescing budget
+    set for each as it is yielded (the default back after the last)."""
     from fsdp2.engine.coalesce import coalesce_bytes, set_coalesce_bytes
 
     default_budget = coalesce_bytes()
-    out: dict[str, Any] = {}
     models = [(m, False) for m in workloads.MODELS] + [("mlp-stack", True)]
-    for (model, frozen), (sharding, (shard, worlds)), device, budget in itertools.product(
-        models, SHARDINGS.items(), ["cpu", "cuda"], [0, default_budget or 25 * 2**20]
-    ):
-        set_coalesce_bytes(budget)
-        for world in worlds:
-            key = f"{model}{'-frozen' if frozen else ''}/{sharding}/{device}/{budget}/{world}"
-            try:
-                plan = fsdp2.plan(_build(model, frozen), shard, world_size=world, device=device)
-            except Exception as e:  # a refusal is part of the snapshot too
-                out[key] = f"{type(e).__name__}: {e}"
-                continue
-            fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
-            kept = {k: v for k, v in fields.items() if k != "groups" and not k.startswith("_")}
-            out[key] = json.loads(json.dumps(kept, default=repr))
-    set_coalesce_bytes(default_budget)
+    try:
+        for (model, frozen), (sharding, (shard, worlds)), device, budget in itertools.product(
+            models, SHARDINGS.items(), ["cpu", "cuda"], [0, default_budget or 25 * 2**20]
+        ):
+            set_coalesce_bytes(budget)
+            for world in worlds:
+                key = f"{model}{'-frozen' if frozen else ''}/{sharding}/{device}/{budget}/{world}"
+                yield key, _build(model, frozen), shard, world, device
+    finally:
+        set_coalesce_bytes(default_budget)
+
+
+def snapshot() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, build, shard, world, device in configurations():
+        try:
+            plan = fsdp2.plan(build, shard, world_size=world, device=device)
+        except Exception as e:  # a refusal is part of the snapshot too
+            out[key] = f"{type(e).__name__}: {e}"
+            continue
+        fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
+        kept = {k: v for k, v in fields.items() if k != "groups" and not k.startswith("_")}
+        out[key] = json.loads(json.dumps(kept, default=repr))
     return out
 
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import itertools
 import math
 import sys
 import traceback
@@ -58,13 +57,12 @@ import fsdp2
 import fsdp2.api
 import fsdp2.engine.coalesce_reduce
 import fsdp2.engine.mesh
-import workloads
 from fsdp2.engine import agreement, coalesce, collectives
 from fsdp2.engine.layout import FlatLayout
 from fsdp2.engine.param_group import FSDPParamGroup, ShardedState
 from fsdp2.engine.state import STATES
 from fsdp2.tools.planner.world import build_on_meta, call_shard
-from plan_snapshot import SHARDINGS, _build
+from plan_snapshot import configurations
 
 Row = tuple[str, str, int, int, int]
 
@@ -199,43 +197,32 @@ def main() -> None:
     )
     parser.add_argument("only", nargs="*", help="configurations whose key contains one of these")
     args = parser.parse_args()
-    from fsdp2.engine.coalesce import coalesce_bytes, set_coalesce_bytes
-
-    default_budget = coalesce_bytes()
     outcome: Counter[str] = Counter()
     first: dict[str, str] = {}
-    models = [(m, False) for m in workloads.MODELS] + [("mlp-stack", True)]
-    for (name, frozen), (sharding, (shard, worlds)), device, budget in itertools.product(
-        models, SHARDINGS.items(), ["cpu", "cuda"], [0, default_budget or 25 * 2**20]
-    ):
-        set_coalesce_bytes(budget)
-        for world in worlds:
-            key = f"{name}{'-frozen' if frozen else ''}/{sharding}/{device}/{budget}/{world}"
-            if args.only and not any(text in key for text in args.only):
-                continue
-            shape = (world,) if isinstance(world, int) else tuple(world)
-            build = _build(name, frozen)
-            try:
-                plan = fsdp2.plan(build, shard, world_size=world, device=device)
-                want = [
-                    (c.kind, c.label, c.input_nbytes, c.output_nbytes, c.world_size)
-                    for c in plan.collectives
-                ]
-                got = engine_step(build, shard, shape, prefetch=device != "cpu")
-            except Exception:
-                kind, detail = "failed", traceback.format_exc(limit=-3)
-            else:
-                kind = (
-                    "in order"
-                    if got == want
-                    else "as a multiset"
-                    if Counter(got) == Counter(want)
-                    else "differ"
-                )
-                detail = f"plan   {want}\nengine {got}"
-            outcome[kind] += 1
-            first.setdefault(kind, f"{key}\n{detail}")
-    set_coalesce_bytes(default_budget)
+    for key, build, shard, world, device in configurations():
+        if args.only and not any(text in key for text in args.only):
+            continue
+        shape = (world,) if isinstance(world, int) else tuple(world)
+        try:
+            plan = fsdp2.plan(build, shard, world_size=world, device=device)
+            want = [
+                (c.kind, c.label, c.input_nbytes, c.output_nbytes, c.world_size)
+                for c in plan.collectives
+            ]
+            got = engine_step(build, shard, shape, prefetch=device != "cpu")
+        except Exception:
+            kind, detail = "failed", traceback.format_exc(limit=-3)
+        else:
+            kind = (
+                "in order"
+                if got == want
+                else "as a multiset"
+                if Counter(got) == Counter(want)
+                else "differ"
+            )
+            detail = f"plan   {want}\nengine {got}"
+        outcome[kind] += 1
+        first.setdefault(kind, f"{key}\n{detail}")
     print(", ".join(f"{kind}: {n}" for kind, n in outcome.most_common()))
     for kind in ("as a multiset", "differ", "failed"):
         if kind in first:
