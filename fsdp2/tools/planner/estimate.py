@@ -12,7 +12,9 @@ every trainable parameter getting a gradient:
   prefetch; CPU meshes do not prefetch). Its gradients appear unsharded in param_dtype; when
   they are all in, the group reshards, copies them into the reduce-scatter input (both alive
   for the copy) and the previous group's reduce-scatter, still in flight, is finished only
-  after that: two reduce-scatter inputs coexist for a moment.
+  after that: two reduce-scatter inputs coexist for a moment. A group with nothing to reduce
+  finds the one before finished, unless it all-reduces (HSDP): that one is never finished early,
+  so it stays in flight through frozen groups until the next reduce-scatter is issued.
 - A kept group (the root) may get gradients first (the head's) and is reduced last, at the end
   of backward: its unsharded gradients count as alive through all of backward.
 - Reduced shards accumulate through backward (counted with the held gradients), and the groups
@@ -150,8 +152,10 @@ class Schedule:
                 self._prefetch(i)
             if g.num_trainable and g.shard_world > 1:
                 self._reduce(i)
-            elif not self.held.members:
-                self._last_reduce = 0  # the one before it was finished as it ran
+            elif not self.held.members and not self._finishing:
+                # The one before it was finished as it ran; not one that all-reduces (HSDP),
+                # which stays in flight until the next reduce-scatter is issued.
+                self._last_reduce = 0
             if g.num_trainable and g.replicate_world and g.shard_world == 1:
                 self.out.extend(_all_reduces([g]))  # no reduce-scatter: issued at once
         self._issue_held()
