@@ -315,6 +315,7 @@ def train(checks: bool, steps: int = 3) -> dict[str, Any]:
         (collectives, "_all_gather_single"): collectives._all_gather_single,
         (collectives, "_reduce_scatter_single"): collectives._reduce_scatter_single,
         (dist, "all_reduce"): dist.all_reduce,
+        (dist, "all_gather"): dist.all_gather,  # gloo's gathers (collectives._gather)
     }
     for (module, name), fn in patched.items():
         setattr(module, name, counting(name, fn))

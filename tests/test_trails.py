@@ -28,17 +28,20 @@ from trails import GRAD_SET, Trail, cut, grad_trails, measure
 # the planner share (engine/buckets.py, issue 41's "one bucketing"): one file more on the two
 # coalesced trails that form a bucket (16, 11 before).
 # The hang report names a collective's group itself (a live group has a name): forward no longer
-# enters debug/waiting.py (12 before).
+# enters debug/waiting.py (12 before). It enters it again where the seam asks whether the group
+# is gloo's, whose all-gather is issued in its list form (the tensor form's work holds views of
+# its own, which let go of the caller's memory after exit stopped waiting: engine/handover.py):
+# 12 again.
 MAX_FILES = {
-    False: {"backward_to_issue": 17, "issue_to_grad": 13, "forward_to_gather": 11},
-    True: {"backward_to_issue": 17, "issue_to_grad": 11, "forward_to_gather": 11},
+    False: {"backward_to_issue": 17, "issue_to_grad": 13, "forward_to_gather": 12},
+    True: {"backward_to_issue": 17, "issue_to_grad": 11, "forward_to_gather": 12},
 }
 # Where each trail must end: the seam's function that issued the collective, or the .grad set
 # (the sharded parameter's post-accumulate-grad hooks, which engine/grads.py runs).
 ENDS = {
     "backward_to_issue": "engine/collectives.py:reduce_scatter",
     "issue_to_grad": GRAD_SET,
-    "forward_to_gather": "engine/collectives.py:all_gather",
+    "forward_to_gather": "engine/collectives.py:_gather",
 }
 TIMEOUT_S = 240.0  # two fresh ranks importing torch on 2 busy cores; ~10-25 s seen
 

@@ -157,14 +157,7 @@ def record(
 def _record(
     kind: CollectiveKind, label: str, inp: torch.Tensor, out: torch.Tensor, group: dist.ProcessGroup
 ) -> None:
-    entry = CollectiveRecord(
-        kind,
-        label,
-        inp.numel() * inp.element_size(),
-        out.numel() * out.element_size(),
-        group.size(),
-        group.group_name,
-    )
+    entry = CollectiveRecord(kind, label, inp.nbytes, out.nbytes, group.size(), group.group_name)
     for records in _recorders:
         records.append(entry)
 
@@ -191,8 +184,6 @@ class Pending:
         self._event = event
         self._device = device
         self._then = then
-        # What the backend holds of the caller's tensors: watched once waited on, so that exit
-        # waits for the backend's threads to let go (handover.py).
         self._handed = handed
         self._empty = empty
 
@@ -228,9 +219,21 @@ def all_gather(
     event = _note("all_gather", label, inp, out, group)
     if comm is not None:
         return Pending(comm(out, inp, group, async_op=True), event, inp.device)
-    handed = [hand(out), hand(inp)]
-    work = _all_gather_single(handed[0], handed[1], group=group, async_op=True)
+    work, handed = _gather(out, inp, group, async_op=True)
     return Pending(work, event, inp.device, handed=handed)
+
+
+def _gather(
+    out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+) -> tuple[dist.Work | None, list[torch.Tensor]]:
+    """Issue the all-gather of ``inp`` into ``out`` (rank-major) on handed tensors: its work,
+    and them. gloo's tensor form holds views of ``out`` of its own making: its list form
+    ([Note: a backend thread's last reference]) is handed ``out``'s rows."""
+    if is_gloo(group, inp.device):
+        handed = [*(hand(row) for row in out.chunk(group.size())), hand(inp)]
+        return dist.all_gather(handed[:-1], handed[-1], group=group, async_op=async_op), handed
+    handed = [hand(out), hand(inp)]
+    return _all_gather_single(handed[0], handed[1], group=group, async_op=async_op), handed
 
 
 def all_gather_in_place(
@@ -397,12 +400,10 @@ def _note(
 def _gather_handed(
     out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, async_op: bool
 ) -> dist.Work | None:
-    """The checks' fingerprint gather (checks.py waits on it): its tensors watched at once,
-    since the checks keep none of them."""
-    handed = [hand(out), hand(inp)]
-    work = _all_gather_single(handed[0], handed[1], group=group, async_op=async_op)
+    """The checks' fingerprint gather (checks.py waits on it, and keeps none of its tensors)."""
+    work, handed = _gather(out, inp, group, async_op)
     _let_go(handed)
-    return cast("dist.Work | None", work)
+    return work
 
 
 def all_to_all(
@@ -433,8 +434,7 @@ def agree_ints(
     out = inp.new_empty(group.size() * inp.numel())
     if _recorders:
         _record("agree", "", inp, out, group)
-    handed = [hand(out), hand(inp)]
-    _all_gather_single(handed[0], handed[1], group=group)
+    _, handed = _gather(out, inp, group, async_op=False)
     _let_go(handed)  # often a script's last collective (iter_full_weights' closing exchange)
     return cast("list[list[int]]", out.view(group.size(), -1).tolist())
 

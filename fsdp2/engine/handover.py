@@ -13,7 +13,13 @@ one run in four for a script whose last act is ``iter_full_weights`` on a busy m
 So a backend gets its own tensors from :func:`hand`: a ``detach()`` of the caller's tensor (the
 same memory and version counter, no view tracking, so it keeps no base alive) that only the
 backend holds once the seam let go of it. Then that tensor dies exactly when the backend's last
-holder drops it, and its Python object with it: the GIL work is done once it is dead. Once a
+holder drops it, and its Python object with it: the GIL work is done once it is dead. That holds
+only while the backend holds nothing else on the same memory: gloo's all_gather_into_tensor cuts
+its output into views of its own, the last of which lets go of the memory after the handed
+tensor died, and with it the memory's Python object (``untyped_storage()`` makes one; the
+engine's buffers have one), on gloo's thread, after exit may have stopped waiting. So the seam
+issues each collective in a form whose work holds only what it was handed
+(``collectives._gather``: gloo's list form, handed the rows). Once a
 collective was waited on, :func:`settle_later` watches its tensors weakly, and an ``atexit``
 hook (run before finalization begins) waits for the watched ones to die, napping so that the
 backend's thread can take the GIL. A work never waited on is not watched (a rank that raised

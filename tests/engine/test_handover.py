@@ -6,8 +6,10 @@ a busy 2-core machine: a thread still letting go of Python objects when finaliza
 gloo worker dropping the closing exchange's work; the hang report's publisher inside a store
 call). The launch test runs that script again and again, and counts the ranks that die of a
 signal; it cannot fail every time on the old code (the race is one of timing). The tests before
-it pin the two mechanisms, deterministically: the backend holds none of the caller's tensors,
-only handed ones, which exit waits for; the publisher is stopped and joined at exit.
+it pin the mechanisms, deterministically: the backend holds none of the caller's tensors, only
+handed ones, which exit waits for, and nothing else on the caller's memory (gloo's
+all_gather_into_tensor held views of its own: a path to the abort, found after one rank of 24
+died at exit in a CI run); the publisher is stopped and joined at exit.
 """
 
 from __future__ import annotations
@@ -74,6 +76,51 @@ def test_backend_holds_none_of_the_callers_tensors() -> None:
             assert during == before, (name, before, during)
 
 
+def _beyond_handed(owner: torch.Tensor, pending: object) -> int:
+    """References to ``owner``'s memory other than ``owner``'s own, its Python object's and
+    the seam's (``pending``'s handed tensors and its copy to make): what the backend made."""
+    ptr = owner.untyped_storage()._cdata  # the memory's Python object, made once and kept
+    seams = [*(pending._handed or []), *(pending._then or ())]  # type: ignore[attr-defined]
+    ours = {id(t) for t in seams if t is not owner and t.untyped_storage()._cdata == ptr}
+    return int(torch._C._storage_Use_Count(ptr)) - 2 - len(ours)
+
+
+def _in_flight_beyond_handed() -> dict[str, list[int]]:
+    from fsdp2.engine import collectives
+
+    group, world, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+    issues = {
+        "all_gather": lambda o, i: collectives.all_gather(o, i, group, "t"),
+        "reduce_scatter": lambda o, i: collectives.reduce_scatter(o, i, group, "t", SUM),
+        "all_reduce": lambda o, i: collectives.all_reduce(i, group, "t", SUM),
+        "all_to_all": lambda o, i: collectives.all_to_all(
+            o, i, [4] * world, [4] * world, group, "t"
+        ),
+    }
+    sizes = {
+        "all_gather": (8, 4),
+        "reduce_scatter": (4, 8),
+        "all_reduce": (4, 4),
+        "all_to_all": (8, 8),
+    }
+    counts = {}
+    for name, issue in issues.items():
+        out, inp = (torch.ones(n) for n in sizes[name])
+        if rank == 1:
+            time.sleep(0.3)  # rank 0 looks while its collective waits for this one
+        pending = issue(out, inp)
+        counts[name] = [_beyond_handed(out, pending), _beyond_handed(inp, pending)]
+        pending.wait()
+    return counts
+
+
+def test_backend_holds_the_callers_memory_only_through_handed_tensors() -> None:
+    # What a backend makes on the caller's memory outlives the handed tensors that exit waits
+    # for (gloo's all_gather_into_tensor cuts its output into views of its own).
+    counts = run_on_ranks(2, _in_flight_beyond_handed)[0]
+    assert all(count == [0, 0] for count in counts.values()), counts
+
+
 def _export_then_settle() -> tuple[bool, int, float]:
     import fsdp2
     from fsdp2.engine import handover
@@ -135,7 +182,8 @@ def _launch_pair(directory: str, index: int) -> list[subprocess.Popen[str]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     return [
         subprocess.Popen(
-            [sys.executable, str(SCRIPT), str(rank), "2", init],
+            # faulthandler: a rank killed by a signal says which thread died, and where.
+            [sys.executable, "-X", "faulthandler", str(SCRIPT), str(rank), "2", init],
             cwd=REPO_ROOT,
             env=env,
             stdout=subprocess.DEVNULL,
@@ -165,5 +213,5 @@ def test_export_then_exit_exits_zero() -> None:
                         if proc.returncode < 0
                         else f"exit code {proc.returncode}"
                     )
-                    failed.append(f"run {index} rank {rank}: {how}: {err[-500:]}")
+                    failed.append(f"run {index} rank {rank}: {how}: {err[-2000:]}")
     assert not failed, f"{len(failed)} of {2 * RUNS} ranks failed:\n" + "\n".join(failed)
