@@ -274,7 +274,6 @@ def _hang_main(backend: str, hang_timeout_s: float, backend_timeout_s: float) ->
     from tests.hang_scenarios import _step, build, outcome
 
     set_coalesce_bytes(0)  # the report pinned below names one group's gather
-    os.environ["FSDP2_COLLECTIVE_TIMEOUT"] = str(hang_timeout_s)
     dist.init_process_group(backend, timeout=timedelta(seconds=backend_timeout_s))
     logged: list[tuple[float, str]] = []  # (when, message)
 
@@ -286,6 +285,8 @@ def _hang_main(backend: str, hang_timeout_s: float, backend_timeout_s: float) ->
     logging.getLogger("fsdp2").setLevel(logging.INFO)
     model = build()
     _step(model, 0)
+    # Only now the short deadline: on a busy machine one rank may reach step 0 seconds late.
+    os.environ["FSDP2_COLLECTIVE_TIMEOUT"] = str(hang_timeout_s)
     if dist.get_rank() == 1:  # skips step 1, and stays (its connections open) past the timeout
         time.sleep(backend_timeout_s + 4)
         return

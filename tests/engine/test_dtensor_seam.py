@@ -223,7 +223,6 @@ def _hang_main() -> None:
     import datetime
     import logging
 
-    os.environ["FSDP2_COLLECTIVE_TIMEOUT"] = str(HANG_TIMEOUT_S)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=BACKEND_TIMEOUT_S))
     from torch.distributed.device_mesh import init_device_mesh
@@ -244,6 +243,8 @@ def _hang_main() -> None:
     rows = torch.arange(16.0).view(4, 4).chunk(2)[dist.get_rank()]
     value = DTensor.from_local(rows, other, [Shard(0), Replicate()], run_check=False)
     model(torch.ones(2, 4)).sum().backward()  # a step on both: each rank's publisher is up
+    # Only now the short deadline: on a busy machine one rank may reach the step seconds late.
+    os.environ["FSDP2_COLLECTIVE_TIMEOUT"] = str(HANG_TIMEOUT_S)
     if dist.get_rank() == 1:
         time.sleep(BACKEND_TIMEOUT_S + 4)  # alive, never in the collective
         os._exit(0)
